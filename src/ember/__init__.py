@@ -1,0 +1,32 @@
+"""Ember: run array code on remote compute peers.
+
+>>> import ember, ember.array_api as xp
+>>> dev = ember.connect("local")          # or "ws://host:port", or an iroh ticket
+>>> x = xp.asarray([1.0, 2.0, 3.0], device=dev)
+>>> float(xp.sum(xp.exp(x)))              # doctest: +ELLIPSIS
+30.19...
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import errors  # noqa: E402
+from .client.device import Device, connect, default_device, devices, set_default_device  # noqa: E402
+from .errors import EmberError  # noqa: E402
+
+
+def custom_op(name: str, *arrays: object, outputs: list[tuple[tuple[int, ...], object]], device: object = None,
+              **scalars: object) -> object:
+    """Call the server-registered custom op ``name`` on ``arrays``.
+
+    ``outputs`` declares each result's (shape, dtype); a single output returns
+    one array, several return a tuple. An unknown name or a mismatching result
+    raises ``RemoteExecutionError`` when the result is read.
+    """
+    from .array_api._custom import call
+    return call(name, arrays, outputs, device, scalars)
+
+
+__all__ = ["__version__", "errors", "EmberError", "Device", "connect", "devices", "set_default_device",
+           "default_device", "custom_op"]

@@ -1,0 +1,339 @@
+"""``RemoteArray`` and the one path every op takes: infer shape/dtype here, record, return.
+
+An op costs no round trip: ids are allocated on the client, the result's shape
+and dtype are computed locally, and the op joins the session's pending batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..client.session import ClientSession
+from ..protocol import messages as m
+from . import _dtypes as d
+from ._dtypes import DType
+
+_OP = m.OP
+_Scalar = (int, float, complex, bool)
+
+
+class RemoteArray:
+    """An array whose value lives on a compute peer. Shape and dtype are known locally."""
+
+    __slots__ = ("_id", "_shape", "_dtype", "_dev", "_session", "__weakref__")
+    __array_priority__ = 100
+
+    def __init__(self, tid: int, shape: tuple[int, ...], dtype: DType, dev: Any, session: ClientSession) -> None:
+        self._id = tid
+        self._shape = shape
+        self._dtype = dtype
+        self._dev = dev
+        self._session = session
+
+    def __del__(self) -> None:
+        try:
+            self._session.release(self._id)
+        except Exception:
+            pass
+
+    # ---- attributes --------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dtype(self) -> DType:
+        return self._dtype
+
+    @property
+    def device(self) -> Any:
+        return self._dev
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self._shape:
+            n *= s
+        return n
+
+    @property
+    def T(self) -> "RemoteArray":
+        if self.ndim != 2:
+            raise ValueError(f"x.T needs a 2-D array, this one has {self.ndim} dims; use matrix_transpose")
+        return emit("permute_dims", [self], 0, {"axes": [1, 0]}, self._shape[::-1], self._dtype)
+
+    @property
+    def mT(self) -> "RemoteArray":
+        if self.ndim < 2:
+            raise ValueError("x.mT needs at least 2 dims")
+        return emit("matrix_transpose", [self], 0, None, self._shape[:-2] + self._shape[:-3:-1], self._dtype)
+
+    def __array_namespace__(self, *, api_version: str | None = None) -> Any:
+        if api_version not in (None, "2021.12", "2022.12", "2023.12", "2024.12"):
+            raise ValueError(f"unsupported Array API version {api_version!r}")
+        from .. import array_api
+        return array_api
+
+    # ---- reading -----------------------------------------------------------------
+    def to_numpy(self, timeout: float | None = None) -> np.ndarray:
+        """Fetch the value (blocks until computed, with a deadline)."""
+        return self._session.read(self._id, timeout)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        a = self.to_numpy()
+        if dtype is not None:
+            a = a.astype(dtype, copy=False)
+        return a.copy() if copy else a
+
+    def _scalar(self, kind: type) -> Any:
+        if self.size != 1:
+            raise TypeError(f"only a one-element array converts to a Python {kind.__name__}; shape is {self._shape}")
+        return kind(self.to_numpy().reshape(()).item())
+
+    def __bool__(self) -> bool:
+        return self._scalar(bool)
+
+    def __int__(self) -> int:
+        return self._scalar(int)
+
+    def __float__(self) -> float:
+        return self._scalar(float)
+
+    def __complex__(self) -> complex:
+        return self._scalar(complex)
+
+    def __index__(self) -> int:
+        if self._dtype.kind not in "iu" or self.ndim:
+            raise TypeError("only 0-d integer arrays can be used as an index")
+        return self._scalar(int)
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of a 0-d array")
+        return self._shape[0]
+
+    def __iter__(self) -> Any:
+        if not self._shape:
+            raise TypeError("iteration over a 0-d array")
+        return (self[i] for i in range(self._shape[0]))
+
+    def __repr__(self) -> str:
+        return f"RemoteArray(shape={self._shape}, dtype={self._dtype.name}, device={self._dev!r})"
+
+    def to_device(self, device: Any, /, *, stream: Any = None, **kw: Any) -> "RemoteArray":
+        if device is self._dev:
+            return self
+        from ._transfer import move
+        return move(self, device, **kw)
+
+    # ---- indexing -----------------------------------------------------------------
+    def __getitem__(self, key: Any) -> "RemoteArray":
+        from ._indexing import getitem
+        return getitem(self, key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        from ._indexing import setitem
+        setitem(self, key, value)
+
+    def _adopt(self, new: "RemoteArray") -> None:
+        """Take over ``new``'s remote value in place (identity kept; the old value is released)."""
+        if new._shape != self._shape or new._dtype is not self._dtype:
+            raise TypeError(f"in-place result {new._shape} {new._dtype} does not fit {self._shape} {self._dtype}")
+        self._id, new._id = new._id, self._id
+
+
+# ---- the op path ----------------------------------------------------------------------
+
+def emit(name: str, args: list[Any], smask: int, kwargs: dict[str, Any] | None,
+         shape: tuple[int, ...], dtype: DType, session: ClientSession | None = None, dev: Any = None) -> RemoteArray:
+    """Record op ``name`` on the session of the first array in ``args``; return its output."""
+    if session is None:
+        a = args[0] if not smask & 1 else next(x for x in args if type(x) is RemoteArray)
+        session, dev = a._session, a._dev
+    ids = [x._id if type(x) is RemoteArray else x for x in args]
+    tid = next(session.ids)
+    session.record([_OP, name, ids, smask, [tid], kwargs])
+    return RemoteArray(tid, shape, dtype, dev, session)
+
+
+def emit_multi(name: str, args: list[Any], kwargs: dict[str, Any] | None,
+               specs: list[tuple[tuple[int, ...], DType]]) -> tuple[RemoteArray, ...]:
+    """Record an op with several outputs (all args are arrays of one session)."""
+    a = args[0]
+    session, dev = a._session, a._dev
+    tids = [next(session.ids) for _ in specs]
+    session.record([_OP, name, [x._id for x in args], 0, tids, kwargs])
+    return tuple(RemoteArray(t, s, dt, dev, session) for t, (s, dt) in zip(tids, specs))
+
+
+def emit_dynamic(name: str, args: list[Any], kwargs: dict[str, Any] | None, dtype: DType,
+                 smask: int = 0) -> RemoteArray:
+    """An op whose output shape depends on data: one round trip to learn it."""
+    out = emit(name, args, smask, kwargs, (), dtype)
+    shape, _ = out._session.request(m.SHAPE, out._id)
+    out._shape = tuple(shape)
+    return out
+
+
+def same_device(*arrays: RemoteArray) -> None:
+    s = arrays[0]._session
+    for a in arrays[1:]:
+        if a._session is not s:
+            raise ValueError(f"arrays are on different devices ({arrays[0]._dev!r} and {a._dev!r}); "
+                             f"move one with to_device first")
+
+
+def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    n = max(len(s) for s in shapes)
+    out = []
+    for i in range(-n, 0):
+        dim = 1
+        for s in shapes:
+            if len(s) >= -i:
+                k = s[i]
+                if k != 1:
+                    if dim != 1 and dim != k:
+                        raise ValueError(f"shapes {' and '.join(map(str, shapes))} cannot be broadcast together")
+                    dim = k
+        out.append(dim)
+    return tuple(out)
+
+
+def real_dtype(dt: DType) -> DType:
+    return d.float32 if dt is d.complex64 else d.float64 if dt is d.complex128 else dt
+
+
+#: name -> (allowed input dtypes, output rule) for every elementwise function.
+#: Output rules: "same" (promoted inputs), "bool", "real" (complex -> its real dtype).
+RULES: dict[str, tuple[frozenset[DType], str]] = {}
+
+
+def _rules(category: str, rule: str, names: str) -> None:
+    for n in names.split():
+        RULES[n] = (d.CATEGORIES[category], rule)
+
+
+_rules("numeric", "same", "add subtract multiply pow negative positive square sign conj round")
+_rules("numeric", "real", "abs real imag")
+_rules("floating-point", "same", "divide acos acosh asin asinh atan atanh cos cosh exp expm1 log log1p log2 log10 "
+                                 "sin sinh sqrt tan tanh reciprocal")
+_rules("real floating-point", "same", "atan2 copysign hypot logaddexp nextafter")
+_rules("real numeric", "same", "floor_divide remainder maximum minimum ceil floor trunc")
+_rules("integer_or_bool", "same", "bitwise_and bitwise_or bitwise_xor bitwise_invert")
+_rules("integer", "same", "bitwise_left_shift bitwise_right_shift")
+_rules("any", "bool", "equal not_equal")
+_rules("real numeric", "bool", "greater greater_equal less less_equal")
+_rules("numeric", "bool", "isfinite isinf isnan")
+_rules("real floating-point", "bool", "signbit")
+_rules("bool", "bool", "logical_and logical_or logical_xor logical_not")
+
+
+def _check(name: str, dt: DType, allowed: frozenset[DType]) -> None:
+    if dt not in allowed:
+        raise TypeError(f"{name} does not accept {dt} inputs (the standard allows "
+                        f"{', '.join(sorted(x.name for x in allowed))})")
+
+
+def unary(name: str, x: RemoteArray) -> RemoteArray:
+    if type(x) is not RemoteArray:
+        raise TypeError(f"{name} expects an ember array, got {type(x).__name__}")
+    allowed, rule = RULES[name]
+    dt = x._dtype
+    if dt not in allowed:
+        _check(name, dt, allowed)
+    out = dt if rule == "same" else d.bool if rule == "bool" else real_dtype(dt)
+    return emit(name, [x], 0, None, x._shape, out)
+
+
+def binary(name: str, a: Any, b: Any) -> RemoteArray:
+    allowed, rule = RULES[name]
+    ta, tb = type(a) is RemoteArray, type(b) is RemoteArray
+    if ta and tb:
+        if a._session is not b._session:
+            same_device(a, b)
+        dt = d.PROMOTION.get((a._dtype, b._dtype)) or d.promote(a._dtype, b._dtype)
+        sa, sb = a._shape, b._shape
+        shape = sa if sa == sb else broadcast_shapes(sa, sb)
+        smask = 0
+    elif ta:
+        if type(b) not in _Scalar:
+            return NotImplemented
+        dt, shape, smask = d.scalar_ok(a._dtype, b), a._shape, 2
+    elif tb:
+        if type(a) not in _Scalar:
+            return NotImplemented
+        dt, shape, smask = d.scalar_ok(b._dtype, a), b._shape, 1
+    else:
+        raise TypeError(f"{name} needs at least one ember array")
+    if dt not in allowed:
+        _check(name, dt, allowed)
+    out = dt if rule == "same" else d.bool if rule == "bool" else real_dtype(dt)
+    return emit(name, [a, b], smask, None, shape, out)
+
+
+def _binop(name: str, reflected: bool = False) -> Any:
+    if reflected:
+        def f(self: RemoteArray, other: Any) -> Any:
+            return binary(name, other, self)
+    else:
+        def f(self: RemoteArray, other: Any) -> Any:
+            return binary(name, self, other)
+    f.__name__ = name
+    return f
+
+
+def _inplace(name: str) -> Any:
+    def f(self: RemoteArray, other: Any) -> RemoteArray:
+        new = binary(name, self, other)
+        if new is NotImplemented:
+            return new
+        self._adopt(new)
+        return self
+    return f
+
+
+for _dunder, _fn in {"add": "add", "sub": "subtract", "mul": "multiply", "truediv": "divide",
+                     "floordiv": "floor_divide", "mod": "remainder", "pow": "pow", "and": "bitwise_and",
+                     "or": "bitwise_or", "xor": "bitwise_xor", "lshift": "bitwise_left_shift",
+                     "rshift": "bitwise_right_shift"}.items():
+    setattr(RemoteArray, f"__{_dunder}__", _binop(_fn))
+    setattr(RemoteArray, f"__r{_dunder}__", _binop(_fn, reflected=True))
+    setattr(RemoteArray, f"__i{_dunder}__", _inplace(_fn))
+for _dunder, _fn in {"eq": "equal", "ne": "not_equal", "lt": "less", "le": "less_equal", "gt": "greater",
+                     "ge": "greater_equal"}.items():
+    setattr(RemoteArray, f"__{_dunder}__", _binop(_fn))
+RemoteArray.__hash__ = None  # type: ignore[assignment]
+RemoteArray.__neg__ = lambda self: unary("negative", self)  # type: ignore[attr-defined]
+RemoteArray.__pos__ = lambda self: unary("positive", self)  # type: ignore[attr-defined]
+RemoteArray.__abs__ = lambda self: unary("abs", self)  # type: ignore[attr-defined]
+RemoteArray.__invert__ = lambda self: unary("bitwise_invert", self)  # type: ignore[attr-defined]
+
+
+def _matmul(self: RemoteArray, other: Any) -> Any:
+    from ._linalg import matmul
+    return matmul(self, other) if type(other) is RemoteArray else NotImplemented
+
+
+def _rmatmul(self: RemoteArray, other: Any) -> Any:
+    from ._linalg import matmul
+    return matmul(other, self) if type(other) is RemoteArray else NotImplemented
+
+
+def _imatmul(self: RemoteArray, other: Any) -> RemoteArray:
+    from ._linalg import matmul
+    self._adopt(matmul(self, other))
+    return self
+
+
+RemoteArray.__matmul__ = _matmul  # type: ignore[attr-defined]
+RemoteArray.__rmatmul__ = _rmatmul  # type: ignore[attr-defined]
+RemoteArray.__imatmul__ = _imatmul  # type: ignore[attr-defined]
+
+__all__ = ["RemoteArray", "emit", "emit_multi", "emit_dynamic", "unary", "binary", "broadcast_shapes",
+           "same_device"]

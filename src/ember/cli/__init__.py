@@ -1,0 +1,5 @@
+"""The ``ember`` command: serve, demo, and tools."""
+
+from .main import main
+
+__all__ = ["main"]

@@ -1,0 +1,192 @@
+"""``Device``: one device of one peer, as the user sees it; ``connect``, ``devices``, defaults."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from typing import Any
+
+from ..errors import ConnectError, EmberError, SessionLost
+from ..protocol import messages as m
+from ..transport import dial
+from .io import get_loop, run_sync
+from .session import ClientSession, open_session
+
+LOCAL = "local"
+
+
+class Device:
+    """A device on a compute peer. Arrays created with ``device=dev`` live there.
+
+    A lost session is replaced on the next new work (arrays of the old session
+    raise ``SessionLost`` when used).
+    """
+
+    def __init__(self, address: str, index: int, *, credential: bytes = b"", timeout: float = 10.0,
+                 read_timeout: float = 300.0, session_options: dict[str, Any] | None = None) -> None:
+        self.address = address
+        self.index = index
+        self._credential = credential
+        self._timeout = timeout
+        self._read_timeout = read_timeout
+        self._options = session_options or {}
+        self._lock = threading.Lock()
+        self._session: ClientSession | None = None
+        self._session = self._open()
+
+    # ---- session -----------------------------------------------------------------
+    def _open(self) -> ClientSession:
+        loop = get_loop()
+        sid = os.urandom(16)
+
+        async def go() -> ClientSession:
+            conn = await _dial(self.address, self._timeout)
+            try:
+                welcome = await open_session(conn, address=self.address, device=self.index,
+                                             credential=self._credential, timeout=self._timeout, session_id=sid)
+            except BaseException:
+                await conn.close()
+                raise
+            return ClientSession(conn, welcome, loop, address=self.address, device=self.index,
+                                 read_timeout=self._read_timeout, **self._options)
+
+        return run_sync(go(), self._timeout + 1.0, f"connecting to {self.address}")
+
+    @property
+    def session(self) -> ClientSession:
+        """The live session; reconnects once for new work after a loss."""
+        s = self._session
+        if s is not None and s.lost is None:
+            return s
+        with self._lock:
+            if self._session is None or self._session.lost is not None:
+                if self._session is not None and isinstance(self._session.lost, SessionLost) \
+                        and self._session.lost.message == "session closed by this client":
+                    raise SessionLost(f"device {self!r} was closed", hint="connect again with ember.connect")
+                self._session = self._open()
+            return self._session
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """This device's description from the peer: backend, name, dtypes, memory."""
+        return self.session.welcome["devices"][self.index]
+
+    @property
+    def peer_id(self) -> str | None:
+        return self.session.welcome.get("peer_id")
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(self.info["dtypes"])
+
+    def stats(self) -> dict[str, int]:
+        """Ops, batches and bytes this device's current session has moved."""
+        return dict(self.session.stats)
+
+    def sync(self, timeout: float | None = None) -> None:
+        """Wait until everything recorded so far has run on the peer."""
+        self.session.sync(timeout)
+
+    def close(self) -> None:
+        """End the session; the peer frees everything it held for it."""
+        if self._session is not None:
+            self._session.close()
+
+    # ---- default device ----------------------------------------------------------
+    def __enter__(self) -> "Device":
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _stack().pop()
+
+    def __repr__(self) -> str:
+        return f"Device({self.address!r}, {self.index})"
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+
+async def _dial(address: str, timeout: float) -> Any:
+    if address == LOCAL:
+        from ..transport.memory import memory_pair
+        client_end, server_end = memory_pair()
+        asyncio.ensure_future(_local_server().handle(server_end))
+        return client_end
+    return await dial(address, timeout=timeout, max_frame=m.DEFAULT_MAX_FRAME)
+
+
+_local: Any = None
+
+
+def _local_server() -> Any:
+    """The embedded compute peer (NumPy), served on the I/O loop over an in-memory link."""
+    global _local
+    if _local is None:
+        from ..server import Server
+        _local = Server(["cpu"])
+    return _local
+
+
+# ---- public functions ----------------------------------------------------------------
+
+_tls = threading.local()
+_default: Device | None = None
+_default_lock = threading.Lock()
+
+
+def _stack() -> list[Device]:
+    s = getattr(_tls, "stack", None)
+    if s is None:
+        s = _tls.stack = []
+    return s
+
+
+def connect(address: str = LOCAL, *, device: int = 0, credential: bytes | str = b"", timeout: float = 10.0,
+            read_timeout: float = 300.0, **session_options: Any) -> Device:
+    """Connect to one device of a peer, eagerly.
+
+    ``address`` is ``"local"``, ``"ws://host:port"``, or an iroh ticket / peer id.
+    An unreachable peer, a refused session or a bad device index raises here.
+    """
+    if isinstance(credential, str):
+        credential = credential.encode()
+    if not isinstance(device, int) or device < 0:
+        raise ConnectError(f"device index must be a non-negative int, got {device!r}")
+    return Device(address, device, credential=credential, timeout=timeout, read_timeout=read_timeout,
+                  session_options=session_options)
+
+
+def devices(address: str = LOCAL, *, credential: bytes | str = b"", timeout: float = 10.0) -> list[Device]:
+    """Every device the peer at ``address`` hosts."""
+    first = connect(address, credential=credential, timeout=timeout)
+    n = int(first.session.welcome.get("device_count", 1))
+    return [first] + [connect(address, device=i, credential=credential, timeout=timeout) for i in range(1, n)]
+
+
+def set_default_device(dev: Device | None) -> None:
+    """Use ``dev`` for functions called without ``device=`` (``None``: back to the local peer)."""
+    global _default
+    if dev is not None and not isinstance(dev, Device):
+        raise TypeError(f"expected an ember Device, got {type(dev).__name__}")
+    _default = dev
+
+
+def default_device() -> Device:
+    """The innermost ``with dev:`` device, else the one set by ``set_default_device``, else local."""
+    global _default
+    s = getattr(_tls, "stack", None)
+    if s:
+        return s[-1]
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = connect(LOCAL)
+    return _default
+
+
+__all__ = ["Device", "connect", "devices", "set_default_device", "default_device", "EmberError"]

@@ -1,0 +1,60 @@
+"""The one background I/O thread per process: an asyncio loop serving every session."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import threading
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Coroutine, TypeVar
+
+from ..errors import ConnectError
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_thread: threading.Thread | None = None
+
+
+def get_loop() -> asyncio.AbstractEventLoop:
+    """The process's I/O loop, started on first use."""
+    global _loop, _thread
+    if _loop is not None and _thread is not None and _thread.is_alive():
+        return _loop
+    with _lock:
+        if _loop is None or _thread is None or not _thread.is_alive():
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+
+            def run() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(ready.set)
+                loop.run_forever()
+
+            _thread = threading.Thread(target=run, name="ember-io", daemon=True)
+            _thread.start()
+            ready.wait(10)
+            _loop = loop
+    return _loop
+
+
+def run_sync(coro: Coroutine[Any, Any, T], timeout: float, what: str = "operation") -> T:
+    """Run ``coro`` on the I/O loop from a user thread, with a deadline."""
+    loop = get_loop()
+    if threading.current_thread() is _thread:
+        raise RuntimeError("run_sync called from the ember I/O thread")
+    fut = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return fut.result(timeout)
+    except FutureTimeout:
+        fut.cancel()
+        raise ConnectError(f"{what} did not finish within {timeout:g} s") from None
+
+
+def _shutdown() -> None:
+    from .session import close_all
+    close_all()
+
+
+atexit.register(_shutdown)

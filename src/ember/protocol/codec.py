@@ -1,0 +1,143 @@
+"""Bytes <-> messages. Sans-I/O: nothing here knows a socket or a thread.
+
+Tensor bytes travel as MessagePack ``bin`` (raw C-order bytes) next to their
+dtype name and shape; nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from ..errors import LimitExceeded, ProtocolError
+from . import messages as m
+
+_packb = msgpack.Packer(use_bin_type=True, autoreset=True).pack
+
+
+def packb(obj: Any) -> bytes:
+    """Encode one frame."""
+    return _packb(obj)
+
+
+def unpackb(frame: bytes, *, max_frame: int = m.DEFAULT_MAX_FRAME + 4096) -> Any:
+    """Decode one frame, turning every decoding failure into ``ProtocolError``."""
+    if len(frame) > max_frame:
+        raise LimitExceeded(f"frame of {len(frame)} bytes exceeds the limit of {max_frame} bytes")
+    try:
+        return msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"malformed frame ({len(frame)} bytes): {type(e).__name__}: {e}") from None
+
+
+# ---- handshake -----------------------------------------------------------------
+
+def encode_hello(*, session_id: bytes, device: int, credential: bytes = b"",
+                 client_version: str = "", protocol: int = m.PROTOCOL_VERSION) -> bytes:
+    return packb({"type": "hello", "protocol": protocol, "session_id": session_id,
+                  "device": device, "credential": credential, "client": client_version})
+
+
+def decode_hello(frame: bytes) -> dict[str, Any]:
+    """Validate a client's first frame; raise ProtocolError naming what is wrong."""
+    d = unpackb(frame, max_frame=1 << 20)
+    if not isinstance(d, dict) or d.get("type") != "hello":
+        raise ProtocolError("expected a Hello frame as the first frame of a session")
+    if not isinstance(d.get("protocol"), int):
+        raise ProtocolError("Hello carries no protocol version")
+    if not isinstance(d.get("device"), int) or isinstance(d.get("device"), bool):
+        raise ProtocolError("Hello carries no device index")
+    cred = d.get("credential", b"")
+    if not isinstance(cred, (bytes, type(None))):
+        raise ProtocolError("Hello credential must be bytes")
+    sid = d.get("session_id", b"")
+    if not isinstance(sid, bytes) or len(sid) != 16:
+        raise ProtocolError("Hello session_id must be 16 bytes")
+    d["credential"] = cred or b""
+    return d
+
+
+def encode_welcome(*, peer_id: str | None, devices: list[dict[str, Any]], device: int,
+                   limits: dict[str, int], server_version: str = "") -> bytes:
+    return packb({"type": "welcome", "protocol": m.PROTOCOL_VERSION, "peer_id": peer_id,
+                  "device_count": len(devices), "devices": devices, "device": device,
+                  "limits": limits, "server": server_version})
+
+
+def encode_reject(code: str, reason: str, **extra: Any) -> bytes:
+    return packb({"type": "reject", "protocol": m.PROTOCOL_VERSION, "code": code,
+                  "reason": reason, **extra})
+
+
+def decode_reply(frame: bytes) -> dict[str, Any]:
+    """Decode the server's handshake reply (Welcome or Reject) without judging it."""
+    d = unpackb(frame, max_frame=1 << 20)
+    if not isinstance(d, dict) or d.get("type") not in ("welcome", "reject"):
+        raise ProtocolError("the peer answered Hello with something that is neither Welcome nor Reject")
+    return d
+
+
+# ---- batches and responses -----------------------------------------------------
+
+def decode_batch(frame: bytes, max_frame: int) -> list[list[Any]]:
+    """Decode a client batch; every message must be a non-empty array with a known kind."""
+    batch = unpackb(frame, max_frame=max_frame)
+    if not isinstance(batch, list):
+        raise ProtocolError(f"a batch must be an array of messages, got {type(batch).__name__}")
+    n = len(m.KIND_NAMES)
+    for msg in batch:
+        if not isinstance(msg, list) or not msg or not isinstance(msg[0], int) or not 0 <= msg[0] < n:
+            raise ProtocolError(f"malformed message in batch: {str(msg)[:80]}")
+    return batch
+
+
+def decode_responses(frame: bytes, max_frame: int) -> list[list[Any]]:
+    resp = unpackb(frame, max_frame=max_frame)
+    if not isinstance(resp, list) or not all(isinstance(r, list) and len(r) == 3 for r in resp):
+        raise ProtocolError("malformed response frame from the peer")
+    return resp
+
+
+# ---- index keys (x[key]) ---------------------------------------------------------
+
+def encode_key(key: Any, array_ids: list[int], array_type: type) -> list[Any]:
+    """Encode an index key. Arrays (instances of ``array_type``, which carry ``_id``)
+    become ``["a", n]``: the n-th extra input, whose id is appended to ``array_ids``."""
+    items = key if isinstance(key, tuple) else (key,)
+    out: list[Any] = []
+    for k in items:
+        if isinstance(k, slice):
+            out.append([m.KEY_SLICE, k.start, k.stop, k.step])
+        elif k is None:
+            out.append([m.KEY_NONE])
+        elif k is Ellipsis:
+            out.append([m.KEY_ELLIPSIS])
+        elif isinstance(k, array_type):
+            out.append([m.KEY_ARRAY, len(array_ids)])
+            array_ids.append(k._id)
+        else:
+            out.append(k)
+    return out
+
+
+def decode_key(items: list[Any], arrays: list[Any]) -> tuple[Any, ...]:
+    out: list[Any] = []
+    for k in items:
+        if isinstance(k, list):
+            tag = k[0]
+            if tag == m.KEY_SLICE:
+                out.append(slice(k[1], k[2], k[3]))
+            elif tag == m.KEY_NONE:
+                out.append(None)
+            elif tag == m.KEY_ELLIPSIS:
+                out.append(Ellipsis)
+            elif tag == m.KEY_ARRAY:
+                out.append(arrays[k[1]])
+            else:
+                raise ProtocolError(f"unknown index item {k!r}")
+        elif isinstance(k, (int, bool)):
+            out.append(k)
+        else:
+            raise ProtocolError(f"unsupported index item {k!r}")
+    return tuple(out)

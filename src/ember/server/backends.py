@@ -1,0 +1,136 @@
+"""Devices a compute peer hosts: an Array API namespace (via array-api-compat) plus a device.
+
+Device specs: ``cpu`` (NumPy), ``torch:cpu``, ``torch:cuda:N``, ``cupy:N``,
+``jax:cpu``, ``jax:gpu:N``. Heavy packages are imported only when a device
+that needs them is created.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import EmberError
+
+ALL_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+              "float32", "float64", "complex64", "complex128")
+
+_EXTRAS = {"torch": "torch", "cupy": "cupy", "jax": "jax"}
+
+
+class BackendUnavailable(EmberError):
+    """A device spec names a backend whose package is not installed or has no such device."""
+
+
+@dataclass
+class Backend:
+    """One device of a compute peer."""
+
+    spec: str
+    kind: str                      # numpy | torch | cupy | jax
+    xp: Any                        # array-api-compat namespace
+    device: Any                    # backend device object passed as device=
+    name: str
+    dtypes: tuple[str, ...]
+    memory: int | None = None      # bytes, where known
+    dtype_objs: dict[str, Any] = field(default_factory=dict)
+
+    def info(self, index: int) -> dict[str, Any]:
+        return {"index": index, "spec": self.spec, "backend": self.kind, "name": self.name,
+                "dtypes": list(self.dtypes), "memory": self.memory}
+
+    def dtype(self, name: str) -> Any:
+        try:
+            return self.dtype_objs[name]
+        except KeyError:
+            raise TypeError(f"device {self.spec} ({self.kind}) has no dtype {name!r}") from None
+
+    def from_host(self, arr: np.ndarray) -> Any:
+        """Host NumPy array -> array on this device."""
+        if self.kind == "numpy":
+            return arr
+        if self.kind == "torch":
+            import torch
+            return torch.from_numpy(np.array(arr, copy=True)).to(self.device)
+        return self.xp.asarray(arr, device=self.device)
+
+    def to_host(self, x: Any) -> np.ndarray:
+        """Array on this device -> C-contiguous host NumPy array."""
+        if self.kind == "numpy":
+            return np.ascontiguousarray(x)
+        if self.kind == "torch":
+            return np.ascontiguousarray(x.detach().cpu().numpy())
+        if self.kind == "cupy":
+            return np.ascontiguousarray(x.get())
+        return np.ascontiguousarray(np.asarray(x))
+
+
+def _import(kind: str) -> Any:
+    try:
+        return importlib.import_module(kind)
+    except ImportError:
+        raise BackendUnavailable(
+            f"device backend {kind!r} is not installed",
+            hint=f"pip install 'ember[{_EXTRAS.get(kind, kind)}]'") from None
+
+
+def _dtype_table(xp: Any) -> dict[str, Any]:
+    return {n: getattr(xp, n) for n in ALL_DTYPES if hasattr(xp, n)}
+
+
+def _numpy() -> Backend:
+    import array_api_compat.numpy as xp
+    return Backend("cpu", "numpy", xp, "cpu", "cpu (numpy %s)" % np.__version__, ALL_DTYPES,
+                   dtype_objs=_dtype_table(xp))
+
+
+def _torch(rest: str) -> Backend:
+    torch = _import("torch")
+    import array_api_compat.torch as xp
+    dev = torch.device(rest or "cpu")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise BackendUnavailable(f"torch device {rest!r} is not available on this host",
+                                 hint="list GPUs with nvidia-smi, or use --device torch:cpu")
+    table = _dtype_table(xp)
+    names = tuple(n for n in ALL_DTYPES if n in table and n not in ("uint16", "uint32", "uint64"))
+    mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
+    return Backend(f"torch:{rest or 'cpu'}", "torch", xp, dev, f"torch {torch.__version__} {dev}",
+                   names, mem, {n: table[n] for n in names})
+
+
+def _cupy(rest: str) -> Backend:
+    cp = _import("cupy")
+    import array_api_compat.cupy as xp
+    idx = int(rest or 0)
+    dev = cp.cuda.Device(idx)
+    return Backend(f"cupy:{idx}", "cupy", xp, dev, f"cupy {cp.__version__} gpu {idx}", ALL_DTYPES,
+                   dev.mem_info[1], _dtype_table(xp))
+
+
+def _jax(rest: str) -> Backend:
+    jax = _import("jax")
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as xp
+    platform, _, idx = (rest or "cpu").partition(":")
+    try:
+        dev = jax.devices(platform)[int(idx or 0)]
+    except Exception as e:
+        raise BackendUnavailable(f"jax device {rest!r} is not available: {e}",
+                                 hint="use --device jax:cpu") from None
+    return Backend(f"jax:{rest or 'cpu'}", "jax", xp, dev, f"jax {jax.__version__} {dev}", ALL_DTYPES,
+                   dtype_objs=_dtype_table(xp))
+
+
+def make_backend(spec: str) -> Backend:
+    """Build a device from its spec string; raise BackendUnavailable with an install hint."""
+    kind, _, rest = spec.partition(":")
+    if kind in ("cpu", "numpy"):
+        return _numpy()
+    makers = {"torch": _torch, "cupy": _cupy, "jax": _jax}
+    if kind not in makers:
+        raise BackendUnavailable(f"unknown device spec {spec!r}",
+                                 hint="use cpu, torch:cpu, torch:cuda:N, cupy:N, jax:cpu or jax:gpu:N")
+    return makers[kind](rest)

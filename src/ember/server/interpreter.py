@@ -1,0 +1,267 @@
+"""Executes one session's messages against one device's Array API namespace.
+
+The interpreter owns the session's tensors (``id -> array``). An op that fails
+*poisons* its outputs: the error is kept under their ids, ops consuming a
+poisoned id poison their own outputs, and reading one answers the error. The
+session itself carries on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import LimitExceeded, ProtocolError, RemoteExecutionError, to_wire
+from ..protocol import codec, ops
+from ..protocol import messages as m
+from .backends import Backend
+
+Respond = Callable[[list[list[Any]]], None]
+
+
+def build_table(backend: Backend) -> dict[str, Callable[..., Any]]:
+    """Op name -> callable over the backend, built once per device."""
+    xp, dev = backend.xp, backend.device
+    table: dict[str, Callable[..., Any]] = {}
+    for name in ops.ALL - ops.INTERNAL:
+        mod, _, fname = name.rpartition(".")
+        fn = getattr(getattr(xp, mod) if mod else xp, fname, None)
+        if fn is None:
+            continue
+        if name in ops.CREATION:
+            fn = (lambda f: lambda *a, **k: f(*a, device=dev, **k))(fn)
+        elif name in ops.SEQUENCE_ARG:
+            fn = (lambda f: lambda *a, **k: f(a, **k))(fn)
+        table[name] = fn
+
+    def getitem(x: Any, *arrays: Any, key: list[Any]) -> Any:
+        return x[codec.decode_key(key, list(arrays))]
+
+    def setitem(x: Any, value: Any, *arrays: Any, key: list[Any]) -> Any:
+        y = xp.asarray(x, copy=True)
+        y[codec.decode_key(key, list(arrays))] = value
+        return y
+
+    table["getitem"] = getitem
+    table["setitem"] = setitem
+    table["copy"] = lambda x: xp.asarray(x, copy=True)
+    return table
+
+
+class Poison:
+    """Why a tensor has no value."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        self.error = error
+
+
+def _describe(vals: list[Any]) -> str:
+    parts = []
+    for v in vals:
+        shape = getattr(v, "shape", None)
+        parts.append(f"{tuple(shape)} {getattr(v, 'dtype', '')}".strip() if shape is not None else repr(v))
+    return ", ".join(parts)
+
+
+class Interpreter:
+    """State and execution of one session (runs on the session's worker thread)."""
+
+    def __init__(self, backend: Backend, table: dict[str, Callable[..., Any]],
+                 custom_ops: dict[str, Callable[..., Any]], respond: Respond,
+                 limits: dict[str, int]) -> None:
+        self.backend = backend
+        self.table = table
+        self.custom_ops = custom_ops
+        self.respond = respond
+        self.limits = limits
+        self.tensors: dict[int, Any] = {}
+        self.poison: dict[int, Poison] = {}
+        self._uploads: dict[int, tuple[bytearray, str, list[int]]] = {}
+        self.handlers: tuple[Callable[[list[Any], list[list[Any]]], None] | None, ...] = (
+            self.op, self.upload, self.drop, self.read, self.sync, self.custom, self.close, self.sync,
+            self.shape, None, None, None, None, None)
+        self.ops_run = 0
+
+    # ---- batch ---------------------------------------------------------------
+    def run_batch(self, batch: list[list[Any]]) -> None:
+        out: list[list[Any]] = []
+        handlers, run_op = self.handlers, self.op
+        for msg in batch:
+            kind = msg[0]
+            if kind == m.OP:
+                run_op(msg, out)
+                continue
+            h = handlers[kind]
+            if h is None:
+                self._malformed(msg, out, ProtocolError(f"{m.KIND_NAMES[kind]} is not supported by this peer"))
+                continue
+            try:
+                h(msg, out)
+            except Exception as e:  # a malformed message: answer it, keep the session
+                self._malformed(msg, out, e)
+        self.ops_run += len(batch)
+        if out:
+            self.respond(out)
+
+    def _malformed(self, msg: list[Any], out: list[list[Any]], e: Exception) -> None:
+        err = e if isinstance(e, ProtocolError) else ProtocolError(f"malformed {m.KIND_NAMES[msg[0]]} message: {e}")
+        req = msg[1] if len(msg) > 1 and msg[0] in (m.READ, m.SYNC, m.SHAPE) and isinstance(msg[1], int) else 0
+        if req:
+            out.append([req, m.ERROR, to_wire(err)])
+
+    # ---- ops -------------------------------------------------------------------
+    def op(self, msg: list[Any], out: list[list[Any]]) -> None:
+        try:
+            _, name, args, smask, outs, kwargs = msg
+        except ValueError:
+            return self._malformed(msg, out, ProtocolError(f"Op message has {len(msg)} fields, expected 6"))
+        t = self.tensors
+        try:
+            vals = [a if smask >> i & 1 else t[a] for i, a in enumerate(args)] if smask else [t[a] for a in args]
+            fn = self.table[name]
+            if kwargs:
+                if "dtype" in kwargs and type(kwargs["dtype"]) is str:
+                    kwargs["dtype"] = self.backend.dtype(kwargs["dtype"])
+                if "axis" in kwargs and type(kwargs["axis"]) is list:
+                    kwargs["axis"] = tuple(kwargs["axis"])
+                res = fn(*vals, **kwargs)
+            else:
+                res = fn(*vals)
+            if len(outs) == 1:
+                t[outs[0]] = res
+            else:
+                if len(res) != len(outs):
+                    raise ValueError(f"{name} returned {len(res)} results for {len(outs)} outputs")
+                for o, r in zip(outs, res):
+                    t[o] = r
+        except Exception as e:
+            self._fail(name if isinstance(name, str) else repr(name), args, smask, outs, e)
+
+    def _fail(self, name: str, args: Any, smask: int, outs: Any, e: Exception) -> None:
+        """Poison ``outs`` with the error (or the upstream poison an input carries)."""
+        try:
+            ids = [a for i, a in enumerate(args) if not smask >> i & 1]
+        except TypeError:
+            ids = []
+        upstream = next((self.poison[i] for i in ids if i in self.poison), None)
+        if upstream is not None:
+            poison = upstream
+        else:
+            if isinstance(e, KeyError) and name not in self.table and name not in self.custom_ops:
+                msg = f"unknown op {name!r}: not an Array API function this peer offers nor a registered custom op"
+            elif isinstance(e, KeyError) and any(i not in self.tensors for i in ids):
+                missing = [i for i in ids if i not in self.tensors]
+                msg = f"input tensor id(s) {missing} unknown to this session (dropped or never created)"
+            else:
+                msg = f"{type(e).__name__}: {e}"
+            vals = [self.tensors.get(i, "?") for i in ids]
+            poison = Poison({"kind": "RemoteExecutionError", "op": name,
+                             "message": f"op {name}({_describe(vals)}) failed on {self.backend.spec}: {msg}"})
+        try:
+            for o in outs:
+                self.tensors.pop(o, None)
+                self.poison[o] = poison
+        except TypeError:
+            pass
+
+    def custom(self, msg: list[Any], out: list[list[Any]]) -> None:
+        _, name, inputs, outs, scalars, specs = msg
+        try:
+            fn = self.custom_ops.get(name)
+            if fn is None:
+                raise KeyError(name)
+            vals = [self.tensors[i] for i in inputs]
+            res = fn(self.backend.xp, *vals, **(scalars or {}))
+            res = (res,) if len(outs) == 1 and not isinstance(res, (tuple, list)) else tuple(res)
+            if len(res) != len(outs):
+                raise ValueError(f"custom op {name!r} returned {len(res)} arrays, the client declared {len(outs)}")
+            for r, (shape, dtype) in zip(res, specs):
+                if tuple(r.shape) != tuple(shape) or str(r.dtype).rsplit(".", 1)[-1] != dtype:
+                    raise ValueError(f"custom op {name!r} returned {tuple(r.shape)} {r.dtype}, "
+                                     f"the client declared {tuple(shape)} {dtype}")
+            for o, r in zip(outs, res):
+                self.tensors[o] = r
+        except Exception as e:
+            if isinstance(e, KeyError) and name not in self.custom_ops:
+                e = KeyError(f"no custom op named {name!r} is registered on this peer "
+                             f"(registered: {sorted(self.custom_ops) or 'none'})")
+            self._fail(name, inputs, 0, outs, e)
+
+    # ---- data in / out ------------------------------------------------------------
+    def upload(self, msg: list[Any], out: list[list[Any]]) -> None:
+        _, tid, dtype, shape, offset, data, total = msg
+        if total > self.limits["max_tensor"]:
+            raise LimitExceeded(f"upload of {total} bytes exceeds this peer's max_tensor of {self.limits['max_tensor']}")
+        if offset == 0 and len(data) == total:
+            buf: Any = data
+        else:
+            if offset == 0:
+                self._uploads[tid] = (bytearray(total), dtype, shape)
+            buf = self._uploads[tid][0]
+            buf[offset:offset + len(data)] = data
+            if offset + len(data) < total:
+                return
+            del self._uploads[tid]
+        try:
+            arr = np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+            self.tensors[tid] = self.backend.from_host(arr)
+            self.poison.pop(tid, None)
+        except Exception as e:
+            self._fail("upload", [], 0, [tid], e)
+
+    def read(self, msg: list[Any], out: list[list[Any]]) -> None:
+        _, req, tid = msg
+        v = self._value(tid, req, out)
+        if v is None:
+            return
+        host = self.backend.to_host(v)
+        dt, shape = host.dtype.name, list(host.shape)
+        flat = memoryview(host.reshape(-1).view(np.uint8))
+        total, chunk = len(flat), self.limits["chunk"]
+        if total <= chunk:
+            out.append([req, m.OK, [dt, shape, 0, flat, total]])
+            return
+        self.respond(out[:])  # keep order: earlier answers first
+        out.clear()
+        for off in range(0, total - chunk, chunk):
+            self.respond([[req, m.CHUNK, [off, flat[off:off + chunk], total]]])
+        last = ((total - 1) // chunk) * chunk
+        out.append([req, m.OK, [dt, shape, last, flat[last:], total]])
+
+    def shape(self, msg: list[Any], out: list[list[Any]]) -> None:
+        _, req, tid = msg
+        v = self._value(tid, req, out)
+        if v is not None:
+            out.append([req, m.OK, [list(v.shape), str(v.dtype).rsplit(".", 1)[-1]]])
+
+    def _value(self, tid: int, req: int, out: list[list[Any]]) -> Any:
+        v = self.tensors.get(tid)
+        if v is None:
+            p = self.poison.get(tid)
+            err = p.error if p else to_wire(RemoteExecutionError(
+                f"tensor {tid} is unknown to this session (dropped, or never created)"))
+            out.append([req, m.ERROR, err])
+        return v
+
+    def sync(self, msg: list[Any], out: list[list[Any]]) -> None:
+        out.append([msg[1], m.OK, None])
+
+    def drop(self, msg: list[Any], out: list[list[Any]]) -> None:
+        t, p = self.tensors, self.poison
+        for i in msg[1]:
+            if t.pop(i, None) is None:
+                p.pop(i, None)
+
+    def close(self, msg: list[Any], out: list[list[Any]]) -> None:
+        self.clear()
+
+    def held(self) -> int:
+        return len(self.tensors) + len(self.poison)
+
+    def clear(self) -> None:
+        self.tensors.clear()
+        self.poison.clear()
+        self._uploads.clear()

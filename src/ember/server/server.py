@@ -1,0 +1,201 @@
+"""``Server``: the devices a compute peer hosts, its listeners, custom ops and authorizer."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import threading
+from typing import Any, Callable, Iterable, Sequence
+
+from .. import __version__
+from ..errors import AuthorizationError, EmberError
+from ..protocol import messages as m
+from ..transport.base import FrameConnection, Listener
+from .backends import Backend, make_backend
+from .interpreter import build_table
+from .session import Session, drive_session
+
+log = logging.getLogger("ember.server")
+
+#: ``authorizer(peer_id, device_index, credential)``: return True/None to accept,
+#: False or a reason string to refuse (or raise AuthorizationError(reason)).
+Authorizer = Callable[[str | None, int, bytes], "bool | str | None"]
+CustomOp = Callable[..., Any]
+
+
+def token_authorizer(*tokens: bytes) -> Authorizer:
+    """Accept sessions whose credential equals one of ``tokens`` (constant-time compare)."""
+
+    def check(peer_id: str | None, device: int, credential: bytes) -> bool | str:
+        if any(hmac.compare_digest(credential, t) for t in tokens):
+            return True
+        return "missing credential" if not credential else "wrong credential"
+
+    return check
+
+
+class Server:
+    """A compute peer.
+
+    >>> srv = Server(["cpu"])
+    >>> srv.listen_websocket("127.0.0.1", 0)   # doctest: +SKIP
+    >>> srv.run()                              # blocks until SIGINT/SIGTERM  # doctest: +SKIP
+    """
+
+    def __init__(self, devices: Sequence[str | Backend] = ("cpu",), *,
+                 authorizer: Authorizer | None = None,
+                 custom_ops: dict[str, CustomOp] | None = None,
+                 max_sessions: int = 256,
+                 max_frame: int = m.DEFAULT_MAX_FRAME,
+                 chunk: int = m.DEFAULT_CHUNK,
+                 max_tensor: int = 1 << 40,
+                 peer_id: str | None = None) -> None:
+        self.backends: list[Backend] = [d if isinstance(d, Backend) else make_backend(d) for d in devices]
+        if not self.backends:
+            raise EmberError("a server needs at least one device", hint="e.g. Server(['cpu'])")
+        self.tables = [build_table(b) for b in self.backends]
+        self.authorizer = authorizer
+        self.custom_ops: dict[str, CustomOp] = dict(custom_ops or {})
+        self.max_sessions = max_sessions
+        self.limits = {"max_frame": max_frame, "chunk": min(chunk, max_frame - 1024), "max_tensor": max_tensor}
+        self.peer_id = peer_id
+        self.version = __version__
+        self.listeners: list[Listener] = []
+        self.sessions: dict[bytes, Session] = {}
+        self.live: set[Session] = set()
+        self.addresses: list[str] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- configuration -----------------------------------------------------------
+    def register_op(self, name: str, fn: CustomOp) -> None:
+        """Register a custom op: ``fn(xp, *arrays, **scalars) -> array | tuple[array, ...]``."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("a custom op needs a non-empty name")
+        self.custom_ops[name] = fn
+
+    def custom_op(self, name: str) -> Callable[[CustomOp], CustomOp]:
+        """Decorator form of :meth:`register_op`."""
+        def deco(fn: CustomOp) -> CustomOp:
+            self.register_op(name, fn)
+            return fn
+        return deco
+
+    def add_listener(self, listener: Listener) -> None:
+        self.listeners.append(listener)
+
+    def listen_websocket(self, host: str = "127.0.0.1", port: int = 0, *, ssl: Any = None) -> None:
+        from ..transport.websocket import WebSocketListener
+        self.add_listener(WebSocketListener(host, port, max_frame=self.limits["max_frame"], ssl=ssl))
+
+    def device_info(self) -> list[dict[str, Any]]:
+        return [b.info(i) for i, b in enumerate(self.backends)]
+
+    def authorize(self, peer_id: str | None, device: int, credential: bytes) -> str | None:
+        """None when the session may proceed, else the reason it may not."""
+        if self.authorizer is None:
+            return None
+        try:
+            verdict = self.authorizer(peer_id, device, credential)
+        except AuthorizationError as e:
+            return e.reason
+        except Exception as e:  # a buggy authorizer refuses, it does not crash the peer
+            log.exception("authorizer raised")
+            return f"authorizer failed: {type(e).__name__}"
+        if verdict is None or verdict is True:
+            return None
+        return verdict if isinstance(verdict, str) else "refused by the peer's authorizer"
+
+    def held_tensors(self) -> int:
+        """Tensors (values and poisoned ids) held by all sessions, including closing ones."""
+        return sum(s.interp.held() for s in list(self.live))
+
+    # ---- running -----------------------------------------------------------------
+    async def handle(self, conn: FrameConnection) -> None:
+        """Serve one session stream (what every listener calls)."""
+        await drive_session(self, conn)
+
+    async def start(self) -> list[str]:
+        """Start every listener; return the addresses clients can use."""
+        self._loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        for lst in self.listeners:
+            await lst.start(self.handle)
+            self.addresses.extend(lst.addresses)
+        return self.addresses
+
+    async def stop(self) -> None:
+        """Stop listening and end every session (their tensors are freed)."""
+        for lst in self.listeners:
+            try:
+                await lst.stop()
+            except Exception:
+                log.exception("stopping listener")
+        for s in list(self.sessions.values()):
+            await s.conn.close()
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def serve(self, ready: Callable[[list[str]], None] | None = None) -> None:
+        """Async form of :meth:`run`: start, call ``ready(addresses)``, serve until :meth:`stop`."""
+        await self.start()
+        if ready is not None:
+            ready(self.addresses)
+        assert self._stopped is not None
+        await self._stopped.wait()
+
+    def run(self, ready: Callable[[list[str]], None] | None = None) -> None:
+        """Serve until SIGINT or SIGTERM, then close sessions and return."""
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
+                except (NotImplementedError, RuntimeError):
+                    pass
+            await self.serve(ready)
+        asyncio.run(main())
+
+    def start_in_thread(self, timeout: float = 30.0) -> list[str]:
+        """Serve on a background thread (tests, notebooks); return the addresses once listening."""
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                asyncio.run(self.serve(lambda _a: ready.set()))
+            except BaseException as e:
+                errors.append(e)
+                ready.set()
+
+        self._thread = threading.Thread(target=target, name="ember-server", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout):
+            raise EmberError(f"server did not start within {timeout:g} s")
+        if errors:
+            raise errors[0]
+        return self.addresses
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop a server started with :meth:`start_in_thread`."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                asyncio.run_coroutine_threadsafe(self.stop(), loop).result(timeout)
+            except Exception:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def parse_devices(specs: Iterable[str]) -> list[str]:
+    return [s.strip() for s in specs if s.strip()] or ["cpu"]

@@ -1,0 +1,182 @@
+"""The session pump: one coroutine drives every session, whatever the transport.
+
+``drive_session(server, conn)`` runs the handshake, then moves decoded batches
+from the connection to the session's worker thread and the worker's responses
+back. The network loop never waits on compute; pings are answered by the loop
+itself so a long op never looks like a dead peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import TYPE_CHECKING, Any
+
+from ..errors import AuthorizationError, EmberError, ProtocolError, to_wire
+from ..protocol import codec
+from ..protocol import messages as m
+from ..transport.base import FrameConnection
+from .interpreter import Interpreter
+
+if TYPE_CHECKING:
+    from .server import Server
+
+log = logging.getLogger("ember.server")
+
+HANDSHAKE_TIMEOUT = 10.0
+
+
+class Session:
+    """A client's session on one device: its interpreter, worker thread and outbox."""
+
+    def __init__(self, server: "Server", conn: FrameConnection, hello: dict[str, Any],
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.server = server
+        self.conn = conn
+        self.session_id: bytes = hello["session_id"]
+        self.device_index: int = hello["device"]
+        self.peer_id = conn.peer_id
+        self.loop = loop
+        self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.inbox: queue.SimpleQueue[list[list[Any]] | None] = queue.SimpleQueue()
+        self.alive = True
+        backend = server.backends[self.device_index]
+        self.interp = Interpreter(backend, server.tables[self.device_index], server.custom_ops,
+                                  self.respond, server.limits)
+        self.worker = threading.Thread(target=self._work, name=f"ember-session-{self.session_id.hex()[:8]}",
+                                       daemon=True)
+        server.live.add(self)
+        self.worker.start()
+
+    def respond(self, responses: list[list[Any]]) -> None:
+        """Called on the worker: encode once, hand the frame to the network loop."""
+        frame = codec.packb(responses)
+        try:
+            self.loop.call_soon_threadsafe(self.outbox.put_nowait, frame)
+        except RuntimeError:  # loop closed: the server is shutting down
+            self.alive = False
+
+    def _work(self) -> None:
+        inbox, interp = self.inbox, self.interp
+        while True:
+            batch = inbox.get()
+            if batch is None or not self.alive:
+                break
+            try:
+                interp.run_batch(batch)
+            except Exception:  # never let one batch kill the worker
+                log.exception("session %s: batch failed", self.session_id.hex()[:8])
+        interp.clear()
+        self.server.live.discard(self)
+
+    def stop(self) -> None:
+        self.alive = False
+        self.inbox.put(None)
+
+
+async def _send_loop(session: Session) -> None:
+    conn, outbox = session.conn, session.outbox
+    while True:
+        frame = await outbox.get()
+        if frame is None:
+            return
+        await conn.send(frame)
+
+
+async def _handshake(server: "Server", conn: FrameConnection) -> dict[str, Any] | None:
+    """Read and judge Hello; answer Reject and return None when refused."""
+    try:
+        first = await asyncio.wait_for(conn.recv(), HANDSHAKE_TIMEOUT)
+    except asyncio.TimeoutError:
+        log.info("%s sent no Hello within %.0f s", conn.remote, HANDSHAKE_TIMEOUT)
+        return None
+    if first is None:
+        return None
+    try:
+        hello = codec.decode_hello(first)
+    except ProtocolError as e:
+        log.info("refused %s: %s", conn.remote, e.message)
+        await conn.send(codec.encode_reject(m.REJECT_PROTOCOL, e.message))
+        return None
+    if hello["protocol"] != m.PROTOCOL_VERSION:
+        reason = (f"protocol version mismatch: the client speaks version {hello['protocol']}, "
+                  f"this peer speaks version {m.PROTOCOL_VERSION}")
+        log.warning("refused %s: %s", conn.remote, reason)
+        await conn.send(codec.encode_reject(m.REJECT_VERSION, reason, server_protocol=m.PROTOCOL_VERSION))
+        return None
+    n = len(server.backends)
+    if not 0 <= hello["device"] < n:
+        await conn.send(codec.encode_reject(
+            m.REJECT_DEVICE, f"no device {hello['device']}: this peer hosts {n} device(s) (indices 0..{n - 1})",
+            device_count=n))
+        return None
+    reason = server.authorize(conn.peer_id, hello["device"], hello["credential"])
+    if reason is not None:
+        log.info("authorizer refused %s: %s", conn.peer_id or conn.remote, reason)
+        await conn.send(codec.encode_reject(m.REJECT_UNAUTHORIZED, reason))
+        return None
+    if len(server.sessions) >= server.max_sessions:
+        await conn.send(codec.encode_reject(
+            m.REJECT_FULL, f"this peer is full ({server.max_sessions} sessions); try again later"))
+        return None
+    return hello
+
+
+async def drive_session(server: "Server", conn: FrameConnection) -> None:
+    """Serve one session on ``conn`` until it closes, breaks or sends garbage."""
+    try:
+        hello = await _handshake(server, conn)
+    except (ConnectionError, EmberError, OSError) as e:
+        log.info("handshake with %s failed: %s", conn.remote, e)
+        hello = None
+    if hello is None:
+        await _close_quietly(conn)
+        return
+    loop = asyncio.get_running_loop()
+    session = Session(server, conn, hello, loop)
+    server.sessions[session.session_id] = session
+    sender = asyncio.ensure_future(_send_loop(session))
+    try:
+        await conn.send(codec.encode_welcome(
+            peer_id=server.peer_id, devices=server.device_info(), device=session.device_index,
+            limits=server.limits, server_version=server.version))
+        max_frame = server.limits["max_frame"] + 4096
+        while not sender.done():
+            frame = await conn.recv()
+            if frame is None:
+                break
+            try:
+                batch = codec.decode_batch(frame, max_frame)
+            except ProtocolError as e:  # garbage mid-session: say why, end this session only
+                log.info("session %s: %s", session.session_id.hex()[:8], e.message)
+                session.outbox.put_nowait(codec.packb([[0, m.ERROR, to_wire(e)]]))
+                break
+            if len(batch) == 1 and batch[0][0] == m.PING:
+                session.outbox.put_nowait(codec.packb([[batch[0][1], m.OK, None]]))
+                continue
+            session.inbox.put(batch)
+            if batch[-1][0] == m.CLOSE:
+                break
+    except (ConnectionError, OSError, asyncio.IncompleteReadError) as e:
+        log.info("session %s lost: %s", session.session_id.hex()[:8], e)
+    finally:
+        session.stop()
+        server.sessions.pop(session.session_id, None)
+        session.outbox.put_nowait(None)
+        try:
+            await asyncio.wait_for(sender, 5.0)
+        except Exception:
+            sender.cancel()
+        await _close_quietly(conn)
+
+
+async def _close_quietly(conn: FrameConnection) -> None:
+    try:
+        await asyncio.wait_for(conn.close(), 5.0)
+    except Exception:
+        pass
+
+
+__all__ = ["drive_session", "Session", "AuthorizationError"]

@@ -1,0 +1,29 @@
+"""Transports move frames; they know no tensors. ``dial`` picks one by address form."""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import ConnectError
+from .base import FrameConnection, Listener, SessionHandler
+
+_PEER_ID = re.compile(r"^[0-9a-f]{64}$")
+
+
+def is_iroh_address(address: str) -> bool:
+    return address.startswith("endpoint") or bool(_PEER_ID.match(address))
+
+
+async def dial(address: str, *, timeout: float, max_frame: int) -> FrameConnection:
+    """Open a session stream to ``address`` (``ws://``/``wss://`` URL, iroh ticket or peer id)."""
+    if address.startswith(("ws://", "wss://")):
+        from . import websocket
+        return await websocket.dial(address, timeout=timeout, max_frame=max_frame)
+    if is_iroh_address(address):
+        from . import iroh
+        return await iroh.dial(address, timeout=timeout)
+    raise ConnectError(f"cannot tell what kind of address {address!r} is",
+                       hint='use "local", "ws://HOST:PORT", or the endpoint… ticket that `ember serve` prints')
+
+
+__all__ = ["FrameConnection", "Listener", "SessionHandler", "dial", "is_iroh_address"]

@@ -1,0 +1,739 @@
+"""The iroh transport: frames over QUIC bidirectional streams.
+
+Wire format (ALPN ``ember/1``): one bidirectional stream per session (or per
+transfer). Every frame is a 4-byte big-endian length followed by the payload.
+The first frame of every stream is a small MessagePack header
+``{"kind": "session" | "transfer", "version": 1}``. A process keeps **one
+QUIC connection per remote peer**, shared by all of its sessions.
+
+* :class:`IrohConnection` -- a :class:`~ember.transport.base.FrameConnection`
+  over one stream; ``peer_id`` is the remote's authenticated 64-hex id.
+  ``recv`` is cancel-safe (a reader task owns the stream), every ``close``
+  step is bounded.
+* :class:`IrohListener` -- binds (see :mod:`.iroh_endpoint`), accepts
+  connections, dispatches streams by header kind.
+* :func:`dial` -- the client side, on a lazily bound process endpoint per
+  event loop; :func:`configure_client` / ``EMBER_OFFLINE=1`` choose its mode.
+* :func:`mount` -- Ember as one protocol of an application's own endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import threading
+import weakref
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+import iroh
+import msgpack
+
+from ember.errors import ConnectError, LimitExceeded
+
+from . import iroh_fastcopy
+from .base import SessionHandler
+from .iroh_endpoint import (ALPN, bind_endpoint, close_endpoint, iroh_message, parse_relay,
+                            relay_mode_name)
+
+__all__ = ["ALPN", "STREAM_VERSION", "DEFAULT_MAX_FRAME", "FrameTooLarge", "IrohConnection",
+           "IrohListener", "dial", "configure_client", "close_client", "is_iroh_address",
+           "parse_address", "mount", "EmberProtocol", "bind_endpoint"]
+
+log = logging.getLogger("ember.transport.iroh")
+
+STREAM_VERSION = 1
+#: Largest frame accepted by default: 64 MiB of tensor chunk plus headroom.
+DEFAULT_MAX_FRAME = 64 * 2**20 + 2**20
+HEADER_LIMIT = 4096
+KINDS = ("session", "transfer")
+_READ_CHUNK = 64 * 1024
+_WRITE_CHUNK = 4 * 2**20
+_INLINE = 64 * 1024
+_CLOSE_STEP = 1.0
+
+# Application error codes used to reset / stop streams.
+CODE_DONE, CODE_BAD_HEADER, CODE_BAD_VERSION, CODE_NO_HANDLER = 0, 1, 2, 3
+CODE_TOO_LARGE, CODE_SHUTDOWN, CODE_ABORT = 4, 5, 6
+_CODE_TEXT = {
+    CODE_BAD_HEADER: "the peer rejected the stream header (not an Ember stream?)",
+    CODE_BAD_VERSION: "the peer does not support this stream version",
+    CODE_NO_HANDLER: "the peer does not serve this kind of stream",
+    CODE_TOO_LARGE: "the peer refused a frame larger than its limit",
+    CODE_SHUTDOWN: "the peer is shutting down",
+    CODE_ABORT: "the peer aborted the stream",
+}
+
+TransferHandler = Callable[["IrohConnection"], Awaitable[None]]
+
+
+class FrameTooLarge(ConnectionError):
+    """A frame's length prefix exceeds the receiver's limit."""
+
+
+_EOF = object()
+
+
+def _describe(e: BaseException) -> str:
+    """A readable reason for a stream/connection failure."""
+    msg = iroh_message(e)
+    m = re.fullmatch(r"(Reset|Stopped)\((\d+)\)", msg.strip())
+    if m:
+        text = _CODE_TEXT.get(int(m.group(2)), f"code {m.group(2)}")
+        return f"stream {'reset' if m.group(1) == 'Reset' else 'stopped'} by peer: {text}"
+    if "ConnectionLost" in msg or "ApplicationClosed" in msg or "TimedOut" in msg:
+        r = re.search(r'reason: b"(.*?)"', msg)
+        if "TimedOut" in msg:
+            return "connection lost: the peer stopped answering (idle timeout)"
+        return f"connection closed by peer{': ' + r.group(1) if r and r.group(1) else ''}"
+    return msg
+
+
+class IrohConnection:
+    """One framed, bidirectional stream on a QUIC connection."""
+
+    def __init__(self, stream: Any, conn: Any, *, peer_id: str, kind: str = "session",
+                 max_frame: int = DEFAULT_MAX_FRAME, first_frame_limit: int | None = None,
+                 queue_size: int = 8) -> None:
+        self.peer_id: str | None = peer_id
+        self.remote = f"iroh:{peer_id}"
+        self.kind = kind
+        self.max_frame = max_frame
+        self._conn = conn
+        self._send = stream.send()
+        self._recv = stream.recv()
+        self._first_limit = first_frame_limit
+        self._q: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
+        self._reader: asyncio.Task | None = None
+        self._send_lock = asyncio.Lock()
+        self._closed = False
+        self._broken: str | None = None
+
+    @property
+    def connection_id(self) -> int:
+        """Stable id of the underlying QUIC connection (shared by sessions)."""
+        return int(self._conn.stable_id())
+
+    def _start(self) -> None:
+        if self._reader is None and not self._closed:
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    # -- receiving ---------------------------------------------------------
+    async def _read_loop(self) -> None:
+        buf = bytearray()
+        limit = self._first_limit or self.max_frame
+        try:
+            while True:
+                while len(buf) < 4:
+                    chunk = await self._recv.read(_READ_CHUNK)
+                    if not chunk:
+                        if buf:
+                            raise ConnectionError("stream ended in the middle of a frame")
+                        await self._q.put(_EOF)
+                        return
+                    buf += chunk
+                n = int.from_bytes(buf[:4], "big")
+                if n > limit:
+                    with suppress(Exception):
+                        await asyncio.wait_for(self._recv.stop(CODE_TOO_LARGE), _CLOSE_STEP)
+                    raise FrameTooLarge(f"incoming frame of {n} bytes exceeds the limit of {limit} bytes")
+                limit = self.max_frame
+                if len(buf) >= 4 + n:
+                    frame = bytes(buf[4:4 + n])
+                    del buf[:4 + n]
+                else:
+                    head = bytes(buf[4:])
+                    buf.clear()
+                    rest = await self._recv.read_exact(n - len(head))
+                    frame = head + rest if head else rest
+                await self._q.put(frame)
+        except asyncio.CancelledError:
+            raise
+        except ConnectionError as e:
+            await self._q.put(e)
+        except Exception as e:  # noqa: BLE001 - IrohError and friends
+            await self._q.put(ConnectionError(_describe(e)))
+
+    async def recv(self) -> bytes | None:
+        """Next frame, ``None`` at a clean end; ``ConnectionError`` if broken.
+
+        Cancel-safe: a cancelled ``recv`` loses no data.
+        """
+        if self._closed:
+            return None
+        self._start()
+        item = await self._q.get()
+        if item is _EOF or isinstance(item, BaseException):
+            self._q.put_nowait(item)  # every later recv sees the same end
+            if item is _EOF:
+                return None
+            raise type(item)(str(item))
+        return item
+
+    # -- sending -----------------------------------------------------------
+    async def send(self, frame: bytes | bytearray | memoryview) -> None:
+        """Send one frame. ``LimitExceeded`` above ``max_frame``."""
+        if self._closed:
+            raise ConnectionError("stream closed")
+        if self._broken:
+            raise ConnectionError(self._broken)
+        mv = frame if isinstance(frame, bytes) else memoryview(frame).cast("B")
+        n = len(mv) if isinstance(mv, bytes) else mv.nbytes
+        if n > self.max_frame:
+            raise LimitExceeded(f"frame of {n} bytes exceeds the limit of {self.max_frame} bytes")
+        prefix = n.to_bytes(4, "big")
+        async with self._send_lock:
+            try:
+                if n <= _INLINE:
+                    await self._send.write_all(prefix + bytes(mv))
+                else:
+                    await self._send.write_all(prefix)
+                    view = memoryview(mv)
+                    fast = iroh_fastcopy.fast_copy_installed()
+                    for off in range(0, n, _WRITE_CHUNK):
+                        part = view[off:off + _WRITE_CHUNK]
+                        await self._send.write_all(part if fast else part.tobytes())
+            except asyncio.CancelledError:
+                self._broken = "a send was cancelled midway; the stream is no longer usable"
+                with suppress(Exception):
+                    await asyncio.wait_for(self._send.reset(CODE_ABORT), _CLOSE_STEP)
+                raise
+            except Exception as e:  # noqa: BLE001
+                self._broken = _describe(e)
+                raise ConnectionError(self._broken) from None
+
+    async def _send_header(self, kind: str) -> None:
+        await self.send(msgpack.packb({"kind": kind, "version": STREAM_VERSION}))
+
+    # -- closing -----------------------------------------------------------
+    async def close(self) -> None:
+        """Finish our side and stop reading; bounded, idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await asyncio.wait_for(self._send_lock.acquire(), _CLOSE_STEP)
+            try:
+                await asyncio.wait_for(self._send.finish(), _CLOSE_STEP)
+            finally:
+                self._send_lock.release()
+        except asyncio.CancelledError:
+            raise
+        except BaseException:  # noqa: BLE001 - lock busy or finish failed: reset
+            with suppress(Exception):
+                await asyncio.wait_for(self._send.reset(CODE_ABORT), _CLOSE_STEP)
+        await self._stop_reading(CODE_DONE)
+
+    async def abort(self, code: int = CODE_ABORT) -> None:
+        """Reset both directions with ``code`` (protocol violations)."""
+        if self._closed:
+            return
+        self._closed = True
+        with suppress(Exception):
+            await asyncio.wait_for(self._send.reset(code), _CLOSE_STEP)
+        await self._stop_reading(code)
+
+    async def _stop_reading(self, code: int) -> None:
+        if self._reader is not None and not self._reader.done():
+            self._reader.cancel()
+            with suppress(BaseException):
+                await asyncio.wait_for(self._reader, _CLOSE_STEP)
+        with suppress(Exception):
+            await asyncio.wait_for(self._recv.stop(code), _CLOSE_STEP)
+        with suppress(asyncio.QueueFull):
+            self._q.put_nowait(_EOF)  # wake a recv blocked on an empty queue
+
+    def __repr__(self) -> str:
+        return f"<IrohConnection {self.kind} peer={self.peer_id} closed={self._closed}>"
+
+
+# ---------------------------------------------------------------------------
+# Server side
+# ---------------------------------------------------------------------------
+
+def _parse_header(frame: bytes | None) -> tuple[str | None, int]:
+    """(kind, code): kind None with a reset code when the header is bad."""
+    if frame is None:
+        return None, CODE_BAD_HEADER
+    try:
+        h = msgpack.unpackb(frame, raw=False)
+    except Exception:  # noqa: BLE001
+        return None, CODE_BAD_HEADER
+    if not isinstance(h, dict) or h.get("kind") not in KINDS:
+        return None, CODE_BAD_HEADER
+    if h.get("version") != STREAM_VERSION:
+        return None, CODE_BAD_VERSION
+    return h["kind"], CODE_DONE
+
+
+class _ConnectionServer:
+    """Serves the streams of accepted connections (listener and mount)."""
+
+    def __init__(self, handler: SessionHandler, transfer_handler: TransferHandler | None,
+                 max_frame: int, header_timeout: float, max_streams: int | None) -> None:
+        self.handler = handler
+        self.transfer_handler = transfer_handler
+        self.max_frame = max_frame
+        self.header_timeout = header_timeout
+        self.max_streams = max_streams
+        self.tasks: set[asyncio.Task] = set()
+        self.conns: set[Any] = set()
+
+    def spawn(self, coro: Awaitable[None]) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+        return t
+
+    async def serve_connection(self, conn: Any) -> None:
+        """Accept streams on ``conn`` until it closes."""
+        peer = str(conn.remote_id())
+        if self.max_streams:
+            with suppress(Exception):
+                conn.set_max_concurrent_bi_streams(self.max_streams)
+        self.conns.add(conn)
+        try:
+            while True:
+                try:
+                    bi = await conn.accept_bi()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - connection closed
+                    log.debug("connection from %s ended: %s", peer, iroh_message(e))
+                    return
+                self.spawn(self._serve_stream(bi, conn, peer))
+        finally:
+            self.conns.discard(conn)
+
+    async def _serve_stream(self, bi: Any, conn: Any, peer: str) -> None:
+        c = IrohConnection(bi, conn, peer_id=peer, max_frame=self.max_frame,
+                           first_frame_limit=HEADER_LIMIT)
+        try:
+            try:
+                head = await asyncio.wait_for(c.recv(), self.header_timeout)
+            except (ConnectionError, asyncio.TimeoutError) as e:
+                log.debug("bad stream from %s: %s", peer, e or "header timeout")
+                await c.abort(CODE_BAD_HEADER)
+                return
+            kind, code = _parse_header(head)
+            if kind is None:
+                log.debug("rejecting stream from %s (code %d)", peer, code)
+                await c.abort(code)
+                return
+            c.kind = kind
+            if kind == "session":
+                await self.handler(c)
+            elif self.transfer_handler is not None:
+                await self.transfer_handler(c)
+            else:
+                await c.abort(CODE_NO_HANDLER)
+        except asyncio.CancelledError:
+            with suppress(BaseException):
+                await asyncio.shield(c.abort(CODE_SHUTDOWN))
+            raise
+        except Exception:  # noqa: BLE001 - a handler bug must not hurt the listener
+            log.exception("%s handler failed for peer %s", c.kind, peer)
+        finally:
+            with suppress(Exception):
+                await c.close()
+
+    async def shutdown(self, grace: float = 2.0) -> None:
+        for conn in list(self.conns):
+            with suppress(Exception):
+                conn.close(CODE_SHUTDOWN, b"server stopping")
+        pending = [t for t in self.tasks if not t.done()]
+        if pending:
+            done, still = await asyncio.wait(pending, timeout=grace)
+            for t in still:
+                t.cancel()
+            if still:
+                await asyncio.wait(still, timeout=grace)
+
+
+class IrohListener:
+    """Serve Ember sessions over iroh (implements ``Listener``)."""
+
+    def __init__(self, *, key: bytes | None = None, relay: Any = "default",
+                 offline: bool = False, bind: Sequence[str] | str | None = None,
+                 max_frame: int = DEFAULT_MAX_FRAME,
+                 transfer_handler: TransferHandler | None = None,
+                 retries: int = 3, backoff: float = 0.25, online_timeout: float = 5.0,
+                 header_timeout: float = 10.0, handshake_timeout: float = 10.0,
+                 max_streams: int | None = 256) -> None:
+        self.key, self.relay_spec, self.offline = key, relay, offline
+        self.bind = bind
+        self.max_frame = max_frame
+        self.transfer_handler = transfer_handler
+        self._bind_opts = dict(retries=retries, backoff=backoff, online_timeout=online_timeout)
+        self.header_timeout = header_timeout
+        self.handshake_timeout = handshake_timeout
+        self.max_streams = max_streams
+        self.endpoint: Any = None
+        self._server: _ConnectionServer | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._stopping = False
+
+    async def start(self, handler: SessionHandler) -> None:
+        """Bind and accept; raises :class:`ember.errors.BindError`."""
+        if self.endpoint is not None:
+            raise RuntimeError("listener already started")
+        self.endpoint = await bind_endpoint(key=self.key, relay=self.relay_spec,
+                                            offline=self.offline, bind=self.bind,
+                                            **self._bind_opts)  # type: ignore[arg-type]
+        self._server = _ConnectionServer(handler, self.transfer_handler, self.max_frame,
+                                         self.header_timeout, self.max_streams)
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        assert self._server is not None
+        while True:
+            try:
+                inc = await self.endpoint.accept_next()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                log.warning("accept failed: %s", iroh_message(e))
+                return
+            if inc is None:
+                return
+            if self._stopping:
+                with suppress(Exception):
+                    await inc.refuse()
+                continue
+            self._server.spawn(self._handle_incoming(inc))
+
+    async def _handle_incoming(self, inc: Any) -> None:
+        assert self._server is not None
+        try:
+            accepting = await inc.accept()
+            conn = await asyncio.wait_for(accepting.connect(), self.handshake_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - failed handshakes are the peer's problem
+            log.debug("handshake failed: %s", iroh_message(e) if not isinstance(
+                e, asyncio.TimeoutError) else "timeout")
+            return
+        await self._server.serve_connection(conn)
+
+    async def stop(self) -> None:
+        """Refuse new connections, close open ones, close the endpoint."""
+        if self.endpoint is None or self._stopping:
+            return
+        self._stopping = True
+        if self._server is not None:
+            await self._server.shutdown()
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            with suppress(BaseException):
+                await asyncio.wait_for(self._accept_task, _CLOSE_STEP)
+        await close_endpoint(self.endpoint)
+
+    # -- what `ember serve` prints ------------------------------------------
+    @property
+    def peer_id(self) -> str:
+        return str(self.endpoint.id())
+
+    @property
+    def ticket(self) -> str:
+        return str(iroh.EndpointTicket.from_addr(self.endpoint.addr()))
+
+    @property
+    def direct_addresses(self) -> list[str]:
+        return list(self.endpoint.addr().direct_addresses())
+
+    @property
+    def relay_url(self) -> str | None:
+        return self.endpoint.addr().relay_url()
+
+    @property
+    def relay_mode(self) -> str:
+        return relay_mode_name(parse_relay(self.relay_spec) if not self.offline else "disabled",
+                               self.offline)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [self.ticket] if self.endpoint is not None else []
+
+
+# ---------------------------------------------------------------------------
+# Client side
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Target:
+    """A parsed dial address."""
+
+    peer_id: str
+    addr: Any
+    addresses: list[str]
+    from_ticket: bool
+
+
+def is_iroh_address(address: str) -> bool:
+    """True for ``endpoint…`` tickets and bare 64-hex peer ids."""
+    s = address.strip()
+    return s.startswith("endpoint") or re.fullmatch(r"[0-9a-fA-F]{64}", s) is not None
+
+
+def parse_address(address: str) -> Target:
+    """Parse an ``endpoint…`` ticket or a 64-hex peer id."""
+    s = address.strip()
+    hint = "pass the `endpoint…` ticket printed by `ember serve` (or a 64-hex peer id where discovery is on)"
+    if s.startswith("endpoint"):
+        try:
+            addr = iroh.EndpointTicket.from_string(s).endpoint_addr()
+        except Exception as e:  # noqa: BLE001
+            raise ConnectError(f"invalid iroh ticket: {iroh_message(e)}", hint=hint) from None
+        addrs = list(addr.direct_addresses())
+        if addr.relay_url():
+            addrs.append(f"relay {addr.relay_url()}")
+        return Target(str(addr.id()), addr, addrs, True)
+    if re.fullmatch(r"[0-9a-fA-F]{64}", s):
+        try:
+            eid = iroh.EndpointId.from_string(s.lower())
+        except Exception as e:  # noqa: BLE001
+            raise ConnectError(f"invalid peer id {s}: {iroh_message(e)}", hint=hint) from None
+        return Target(str(eid), iroh.EndpointAddr(eid, None, []), [], False)
+    raise ConnectError(f"not an iroh address: {address!r}", hint=hint)
+
+
+@dataclass
+class _ClientConfig:
+    offline: bool | None = None
+    relay: Any = "default"
+    bind: Sequence[str] | None = None
+    key: bytes | None = None
+
+
+_config = _ClientConfig()
+
+
+def configure_client(*, offline: bool | None = None, relay: Any = None,
+                     bind: Sequence[str] | None = None, key: bytes | None = None) -> None:
+    """Choose how the process-wide client endpoint binds.
+
+    Applies to endpoints bound afterwards (call :func:`close_client` on a loop
+    to rebind there). ``offline=None`` defers to ``EMBER_OFFLINE=1``; ``key``
+    gives the client a stable identity (default: a fresh one per endpoint, or
+    the key file named by ``EMBER_CLIENT_KEY``).
+    """
+    if offline is not None:
+        _config.offline = offline
+    if relay is not None:
+        _config.relay = parse_relay(relay)
+    if bind is not None:
+        _config.bind = list(bind) or None
+    if key is not None:
+        _config.key = key
+
+
+def _client_offline(override: bool | None) -> bool:
+    if override is not None:
+        return override
+    if _config.offline is not None:
+        return _config.offline
+    return os.environ.get("EMBER_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _client_key() -> bytes | None:
+    if _config.key is not None:
+        return _config.key
+    path = os.environ.get("EMBER_CLIENT_KEY")
+    if path:
+        from ember.keys import load_key
+
+        return load_key(path)
+    return None
+
+
+@dataclass(eq=False)
+class _ClientState:
+    """Per-event-loop client endpoint and its connection cache."""
+
+    offline: bool
+    endpoint: Any = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    conns: dict[str, Any] = field(default_factory=dict)
+    pending: dict[str, asyncio.Task] = field(default_factory=dict)
+
+    async def get_endpoint(self) -> Any:
+        async with self.lock:
+            if self.endpoint is None or self.endpoint.is_closed():
+                self.conns.clear()
+                self.endpoint = await bind_endpoint(
+                    key=_client_key(), relay=_config.relay, offline=self.offline,
+                    bind=_config.bind, require_relay=False, retries=2)
+            return self.endpoint
+
+    async def connection(self, target: Target) -> Any:
+        conn = self.conns.get(target.peer_id)
+        if conn is not None:
+            if conn.close_reason() is None:
+                return conn
+            self.conns.pop(target.peer_id, None)
+        task = self.pending.get(target.peer_id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._connect(target))
+            self.pending[target.peer_id] = task
+            task.add_done_callback(lambda t, p=target.peer_id: self._done(p, t))
+        return await asyncio.shield(task)
+
+    def _done(self, peer_id: str, task: asyncio.Task) -> None:
+        self.pending.pop(peer_id, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller that timed out no longer awaits it
+
+    async def _connect(self, target: Target) -> Any:
+        ep = await self.get_endpoint()
+        conn = await ep.connect(target.addr, ALPN)
+        self.conns[target.peer_id] = conn
+        return conn
+
+    def forget(self, peer_id: str, conn: Any) -> None:
+        if self.conns.get(peer_id) is conn:
+            del self.conns[peer_id]
+
+
+_states: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[bool, _ClientState]]" = \
+    weakref.WeakKeyDictionary()
+_states_lock = threading.Lock()
+
+
+def _state(offline: bool) -> _ClientState:
+    loop = asyncio.get_running_loop()
+    with _states_lock:
+        per_loop = _states.setdefault(loop, {})
+        st = per_loop.get(offline)
+        if st is None:
+            st = per_loop[offline] = _ClientState(offline)
+        return st
+
+
+async def close_client() -> None:
+    """Close this loop's client connections and endpoints (bounded)."""
+    loop = asyncio.get_running_loop()
+    with _states_lock:
+        per_loop = _states.pop(loop, {})
+    for st in per_loop.values():
+        for conn in list(st.conns.values()):
+            with suppress(Exception):
+                conn.close(CODE_DONE, b"client closing")
+        st.conns.clear()
+        if st.endpoint is not None:
+            await close_endpoint(st.endpoint)
+
+
+def _connect_error(e: BaseException, t: Target) -> ConnectError:
+    msg = iroh_message(e)
+    low = msg.lower()
+    tried = ", ".join(t.addresses) or "no addresses"
+    if "unknownissuer" in low or "invalid peer certificate" in low:
+        return ConnectError(
+            f"wrong peer: the endpoint at {tried} is not peer {t.peer_id} ({msg})",
+            hint="the ticket or peer id is stale: copy the current ticket from `ember serve`")
+    if "known protocol" in low or "noapplicationprotocol" in low or "alpn" in low:
+        return ConnectError(
+            f"peer {t.peer_id} at {tried} does not speak Ember (ALPN {ALPN.decode()} not offered): {msg}",
+            hint="check that the address belongs to an `ember serve` of a compatible version")
+    if "refused" in low:
+        return ConnectError(f"peer {t.peer_id} at {tried} refused the connection: {msg}",
+                            hint="the server may be stopping or overloaded; try again")
+    if "addressing information" in low or "address lookup" in low:
+        return ConnectError(f"no address known for peer {t.peer_id}: {msg}",
+                            hint="use the `endpoint…` ticket: a bare peer id needs discovery")
+    return ConnectError(f"could not connect to peer {t.peer_id} (tried {tried}): {msg}")
+
+
+async def dial(address: str, *, timeout: float = 10.0, kind: str = "session",
+               offline: bool | None = None, max_frame: int = DEFAULT_MAX_FRAME) -> IrohConnection:
+    """Open a ``kind`` stream to the peer named by ``address``.
+
+    Reuses this process's QUIC connection to that peer when one is open.
+    Raises :class:`ConnectError` (naming the peer and addresses tried) on
+    failure or after ``timeout`` seconds.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}")
+    target = parse_address(address)
+    off = _client_offline(offline)
+    if off and not target.from_ticket:
+        raise ConnectError(
+            f"cannot reach peer {target.peer_id} by id alone in offline mode",
+            hint="offline mode has no discovery: pass the `endpoint…` ticket printed by `ember serve`")
+    st = _state(off)
+    await st.get_endpoint()  # a BindError surfaces as itself
+
+    async def _open() -> IrohConnection:
+        for attempt in (0, 1):
+            conn = await st.connection(target)
+            try:
+                bi = await conn.open_bi()
+            except Exception:  # noqa: BLE001 - cached connection died: reconnect once
+                st.forget(target.peer_id, conn)
+                if attempt:
+                    raise
+                continue
+            c = IrohConnection(bi, conn, peer_id=str(conn.remote_id()), kind=kind,
+                               max_frame=max_frame)
+            await c._send_header(kind)
+            c._start()
+            return c
+        raise AssertionError("unreachable")
+
+    try:
+        return await asyncio.wait_for(_open(), timeout)
+    except asyncio.TimeoutError:
+        tried = ", ".join(target.addresses) or "no addresses"
+        raise ConnectError(
+            f"timed out after {timeout:g}s connecting to peer {target.peer_id} (tried {tried})",
+            hint="is the server running and reachable from here? check the ticket, firewalls "
+                 "and `ember doctor`") from None
+    except ConnectionError as e:
+        raise ConnectError(f"connection to peer {target.peer_id} failed: {e}") from None
+    except (iroh.IrohError, iroh.InternalError) as e:
+        raise _connect_error(e, target) from None
+
+
+# ---------------------------------------------------------------------------
+# Composition: Ember as one protocol of an application's endpoint
+# ---------------------------------------------------------------------------
+
+class EmberProtocol(iroh.ProtocolHandler):
+    """iroh router handler feeding Ember streams to a session handler."""
+
+    def __init__(self, server: _ConnectionServer) -> None:
+        self._server = server
+
+    async def accept(self, conn: Any) -> None:
+        await self._server.serve_connection(conn)
+
+    async def shutdown(self) -> None:
+        await self._server.shutdown()
+
+
+class _EmberCreator(iroh.ProtocolCreator):
+    def __init__(self, server: _ConnectionServer) -> None:
+        self._server = server
+
+    def create(self, endpoint: Any) -> EmberProtocol:
+        return EmberProtocol(self._server)
+
+
+def mount(handler: SessionHandler, *, transfer_handler: TransferHandler | None = None,
+          max_frame: int = DEFAULT_MAX_FRAME, header_timeout: float = 10.0,
+          loop: asyncio.AbstractEventLoop | None = None) -> dict[bytes, Any]:
+    """``{ALPN: creator}`` for ``EndpointOptions(protocols=...)``.
+
+    Call on the loop that should run the handlers (it is registered with
+    ``uniffi_set_event_loop``, which router callbacks need)::
+
+        protocols = {b"myapp/1": MyCreator(), **ember.transport.iroh.mount(server.handle)}
+        ep = await iroh.Endpoint.bind(iroh.EndpointOptions(preset=..., protocols=protocols))
+    """
+    iroh_fastcopy.install_all()
+    iroh.iroh_ffi.uniffi_set_event_loop(loop or asyncio.get_running_loop())
+    server = _ConnectionServer(handler, transfer_handler, max_frame, header_timeout, None)
+    return {ALPN: _EmberCreator(server)}

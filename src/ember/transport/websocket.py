@@ -1,0 +1,102 @@
+"""WebSocket transport (the ``websockets`` library): one binary message per frame."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import ssl as _ssl
+from typing import Any
+
+import websockets
+from websockets.asyncio.client import connect as ws_connect
+from websockets.asyncio.server import ServerConnection, serve
+
+from ..errors import BindError, ConnectError
+from .base import SessionHandler
+
+_BIND_CAUSES = {errno.EADDRINUSE: ("address_in_use", "pick another port, or port 0 for a free one"),
+                errno.EADDRNOTAVAIL: ("address_not_available", "bind an address this host owns, e.g. 127.0.0.1")}
+
+
+def _ws_options(max_frame: int) -> dict[str, Any]:
+    # Compression off (tensor bytes don't compress, and it costs CPU); Ember runs
+    # its own heartbeat, so the library's pings are off too.
+    return {"max_size": max_frame + 4096, "compression": None, "ping_interval": None,
+            "max_queue": 64, "write_limit": 1 << 20}
+
+
+class WebSocketConnection:
+    """A FrameConnection over one WebSocket."""
+
+    peer_id: str | None = None
+
+    def __init__(self, ws: Any, remote: str) -> None:
+        self._ws = ws
+        self.remote = remote
+
+    async def send(self, frame: bytes | bytearray | memoryview) -> None:
+        try:
+            await self._ws.send(frame)
+        except websockets.ConnectionClosed as e:
+            raise ConnectionError(f"WebSocket to {self.remote} closed: {e}") from None
+
+    async def recv(self) -> bytes | None:
+        try:
+            msg = await self._ws.recv()
+        except websockets.ConnectionClosedOK:
+            return None
+        except websockets.ConnectionClosed as e:
+            raise ConnectionError(f"WebSocket to {self.remote} broke: {e}") from None
+        return msg.encode() if isinstance(msg, str) else msg
+
+    async def close(self) -> None:
+        await self._ws.close()
+
+
+class WebSocketListener:
+    """Serves sessions on ``ws://host:port`` (``wss://`` when given an SSL context)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_frame: int,
+                 ssl: _ssl.SSLContext | None = None) -> None:
+        self.host, self.port, self.max_frame, self.ssl = host, port, max_frame, ssl
+        self.addresses: list[str] = []
+        self._server: Any = None
+
+    async def start(self, handler: SessionHandler) -> None:
+        async def on_connect(ws: ServerConnection) -> None:
+            host, port = ws.remote_address[:2]
+            await handler(WebSocketConnection(ws, f"{host}:{port}"))
+
+        try:
+            self._server = await serve(on_connect, self.host, self.port, ssl=self.ssl,
+                                       **_ws_options(self.max_frame))
+        except OSError as e:
+            cause, hint = _BIND_CAUSES.get(e.errno or 0, ("other", "check the --websocket address"))
+            raise BindError(f"cannot listen on {self.host}:{self.port} for WebSocket: {e.strerror or e}",
+                            cause=cause, hint=hint, transient=cause == "address_in_use") from None
+        scheme = "wss" if self.ssl else "ws"
+        for sock in self._server.sockets:
+            host, port = sock.getsockname()[:2]
+            self.addresses.append(f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}")
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 5.0)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def dial(url: str, *, timeout: float, max_frame: int, ssl: _ssl.SSLContext | None = None) -> WebSocketConnection:
+    """Open a WebSocket to ``url``; ConnectError names the address and suggests ``ember serve``."""
+    try:
+        ws = await asyncio.wait_for(ws_connect(url, ssl=ssl, open_timeout=timeout, **_ws_options(max_frame)),
+                                    timeout)
+    except asyncio.TimeoutError:
+        raise ConnectError(f"no answer from {url} within {timeout:g} s",
+                           hint="is the peer up and reachable? start one with `ember serve --websocket HOST:PORT`") from None
+    except (OSError, websockets.InvalidURI, websockets.InvalidHandshake) as e:
+        raise ConnectError(f"cannot connect to {url}: {e}",
+                           hint="nothing is listening there? start a peer with `ember serve --websocket HOST:PORT`") from None
+    return WebSocketConnection(ws, url)
