@@ -1,0 +1,42 @@
+"""Shared fixtures: real servers on loopback with ephemeral ports; never public relays."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import pytest
+
+os.environ.setdefault("EMBER_OFFLINE", "1")  # iroh: no relays, no discovery, ever, in tests
+
+import ember  # noqa: E402
+from ember.server import Server  # noqa: E402
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    """A compute peer (NumPy) serving WebSocket on 127.0.0.1, in a background thread."""
+    srv = Server(["cpu"])
+    srv.listen_websocket("127.0.0.1", 0)
+    srv.start_in_thread()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def ws_address(server: Server) -> str:
+    return server.addresses[0]
+
+
+@pytest.fixture(params=["local", "websocket"])
+def dev(request: pytest.FixtureRequest) -> Iterator[ember.Device]:
+    """A device over the in-memory link and over real WebSocket."""
+    if request.param == "local":
+        d = ember.connect("local")
+        yield d
+        d.close()
+    else:
+        srv = request.getfixturevalue("server")
+        d = ember.connect(srv.addresses[0])
+        yield d
+        d.close()
