@@ -35,12 +35,14 @@ def _scalar_dtype(v: Any) -> DType:
     raise TypeError(f"expected a Python scalar, got {type(v).__name__}")
 
 
-def _create(name: str, device: Any, kwargs: dict[str, Any], shape: tuple[int, ...], dt: DType) -> RemoteArray:
+def _create(name: str, device: Any, kwargs: dict[str, Any], shape: tuple[int, ...], dt: DType,
+            args: Sequence[Any] = ()) -> RemoteArray:
+    """Record a creation op; ``args`` are positional scalars (e.g. arange's start)."""
     dev = resolve(device)
     check_dtype(dev, dt)
     kwargs["dtype"] = dt.name
     s = dev.session
-    return emit(name, [], 0, kwargs, shape, dt, session=s, dev=dev)
+    return emit(name, list(args), (1 << len(args)) - 1, kwargs, shape, dt, session=s, dev=dev)
 
 
 def upload(arr: np.ndarray, dev: Any) -> RemoteArray:
@@ -101,7 +103,7 @@ def arange(start: int | float, /, stop: int | float | None = None, step: int | f
     n = max(0, math.ceil((stop - start) / step))
     isfloat = any(isinstance(v, float) for v in (start, stop, step))
     dt = to_dtype(dtype) if dtype else (d.DEFAULT_FLOAT if isfloat else d.DEFAULT_INT)
-    return _create("arange", device, {"start": start, "stop": stop, "step": step}, (n,), dt)
+    return _create("arange", device, {"stop": stop, "step": step}, (n,), dt, [start])
 
 
 def linspace(start: int | float | complex, stop: int | float | complex, /, num: int, *, dtype: Any = None,
@@ -110,14 +112,14 @@ def linspace(start: int | float | complex, stop: int | float | complex, /, num: 
         raise ValueError("linspace num must be >= 0")
     iscomplex = isinstance(start, complex) or isinstance(stop, complex)
     dt = to_dtype(dtype) if dtype else (d.DEFAULT_COMPLEX if iscomplex else d.DEFAULT_FLOAT)
-    return _create("linspace", device, {"start": start, "stop": stop, "num": num, "endpoint": endpoint}, (num,), dt)
+    return _create("linspace", device, {"num": num, "endpoint": endpoint}, (num,), dt, [start, stop])
 
 
 def eye(n_rows: int, n_cols: int | None = None, /, *, k: int = 0, dtype: Any = None,
         device: Any = None) -> RemoteArray:
     cols = n_rows if n_cols is None else n_cols
-    return _create("eye", device, {"n_rows": n_rows, "n_cols": cols, "k": k}, (n_rows, cols),
-                   to_dtype(dtype) if dtype else d.DEFAULT_FLOAT)
+    return _create("eye", device, {"k": k}, (n_rows, cols), to_dtype(dtype) if dtype else d.DEFAULT_FLOAT,
+                   [n_rows, cols])
 
 
 def _like(name: str, x: RemoteArray, dtype: Any, device: Any, **kw: Any) -> RemoteArray:
