@@ -131,7 +131,7 @@ class ClientSession:
     # ---- data in / out -----------------------------------------------------------------
     def upload(self, arr: np.ndarray) -> int:
         """Send host data; returns the new tensor id. Large arrays go in chunks."""
-        arr = np.ascontiguousarray(arr)
+        arr = np.asarray(arr, order="C")
         tid = next(self.ids)
         flat = memoryview(arr.reshape(-1).view(np.uint8))
         total, dt, shape = len(flat), arr.dtype.name, list(arr.shape)

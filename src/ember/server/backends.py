@@ -60,12 +60,12 @@ class Backend:
     def to_host(self, x: Any) -> np.ndarray:
         """Array on this device -> C-contiguous host NumPy array."""
         if self.kind == "numpy":
-            return np.ascontiguousarray(x)
+            return np.asarray(x, order="C")
         if self.kind == "torch":
-            return np.ascontiguousarray(x.detach().cpu().numpy())
+            return np.asarray(x.detach().cpu().numpy(), order="C")
         if self.kind == "cupy":
-            return np.ascontiguousarray(x.get())
-        return np.ascontiguousarray(np.asarray(x))
+            return np.asarray(x.get(), order="C")
+        return np.asarray(x, order="C")
 
 
 def _import(kind: str) -> Any:

@@ -43,6 +43,8 @@ def build_table(backend: Backend) -> dict[str, Callable[..., Any]]:
         y[codec.decode_key(key, list(arrays))] = value
         return y
 
+    astype = xp.astype
+    table["astype"] = lambda x, dtype, **k: astype(x, dtype, **k)  # dtype is positional-only there
     table["getitem"] = getitem
     table["setitem"] = setitem
     table["copy"] = lambda x: xp.asarray(x, copy=True)

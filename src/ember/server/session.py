@@ -14,6 +14,8 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..errors import AuthorizationError, EmberError, ProtocolError, to_wire
 from ..protocol import codec
 from ..protocol import messages as m
@@ -59,6 +61,12 @@ class Session:
             self.alive = False
 
     def _work(self) -> None:
+        with np.errstate(all="ignore"):  # IEEE semantics: nan/inf results, no warnings
+            self._work_loop()
+        self.interp.clear()
+        self.server.live.discard(self)
+
+    def _work_loop(self) -> None:
         inbox, interp = self.inbox, self.interp
         while True:
             batch = inbox.get()
@@ -68,8 +76,6 @@ class Session:
                 interp.run_batch(batch)
             except Exception:  # never let one batch kill the worker
                 log.exception("session %s: batch failed", self.session_id.hex()[:8])
-        interp.clear()
-        self.server.live.discard(self)
 
     def stop(self) -> None:
         self.alive = False
