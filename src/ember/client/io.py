@@ -53,8 +53,26 @@ def run_sync(coro: Coroutine[Any, Any, T], timeout: float, what: str = "operatio
 
 
 def _shutdown() -> None:
+    """At exit: close sessions (the peers free their tensors), then stop the loop cleanly."""
     from .session import close_all
     close_all()
+    loop = _loop
+    if loop is None or _thread is None or not _thread.is_alive():
+        return
+
+    async def drain() -> None:
+        await asyncio.sleep(0.05)  # let Close frames go out
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks, timeout=1.0) if tasks else None
+
+    try:
+        asyncio.run_coroutine_threadsafe(drain(), loop).result(2.0)
+        loop.call_soon_threadsafe(loop.stop)
+        _thread.join(2.0)
+    except Exception:
+        pass
 
 
 atexit.register(_shutdown)

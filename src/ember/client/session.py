@@ -219,6 +219,8 @@ class ClientSession:
                     await asyncio.wait_for(conn.close(), 2.0)
                 except Exception:
                     pass
+                for t in self._tasks[0], self._tasks[2]:  # receiver, heartbeat
+                    t.cancel()
 
     async def _receiver(self) -> None:
         conn, waiters = self.conn, self._waiters

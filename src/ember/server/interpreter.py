@@ -51,6 +51,10 @@ def build_table(backend: Backend) -> dict[str, Callable[..., Any]]:
     return table
 
 
+class UnknownOp(LookupError):
+    """A name that is neither a whitelisted function nor a registered custom op."""
+
+
 class Poison:
     """Why a tensor has no value."""
 
@@ -152,7 +156,9 @@ class Interpreter:
         if upstream is not None:
             poison = upstream
         else:
-            if isinstance(e, KeyError) and name not in self.table and name not in self.custom_ops:
+            if isinstance(e, UnknownOp):
+                msg = str(e)
+            elif isinstance(e, KeyError) and name not in self.table and name not in self.custom_ops:
                 msg = f"unknown op {name!r}: not an Array API function this peer offers nor a registered custom op"
             elif isinstance(e, KeyError) and any(i not in self.tensors for i in ids):
                 missing = [i for i in ids if i not in self.tensors]
@@ -174,7 +180,8 @@ class Interpreter:
         try:
             fn = self.custom_ops.get(name)
             if fn is None:
-                raise KeyError(name)
+                raise UnknownOp(f"no custom op named {name!r} is registered on this peer "
+                                f"(registered: {sorted(self.custom_ops) or 'none'})")
             vals = [self.tensors[i] for i in inputs]
             res = fn(self.backend.xp, *vals, **(scalars or {}))
             res = (res,) if len(outs) == 1 and not isinstance(res, (tuple, list)) else tuple(res)
@@ -187,9 +194,6 @@ class Interpreter:
             for o, r in zip(outs, res):
                 self.tensors[o] = r
         except Exception as e:
-            if isinstance(e, KeyError) and name not in self.custom_ops:
-                e = KeyError(f"no custom op named {name!r} is registered on this peer "
-                             f"(registered: {sorted(self.custom_ops) or 'none'})")
             self._fail(name, inputs, 0, outs, e)
 
     # ---- data in / out ------------------------------------------------------------
