@@ -120,13 +120,14 @@ class ClientSession:
         self._frames.append(frame)
         self.loop.call_soon_threadsafe(self._wake.set)
 
-    def _send_frame_now(self, frame: bytes) -> None:
-        """Queue a frame after everything recorded so far (keeps order)."""
+    def send_alone(self, msg: list[Any]) -> None:
+        """Send ``msg`` as a batch of its own, after everything recorded so far."""
+        if self.lost is not None:
+            raise self._lost_error()
         with self._lock:
             self._flush_locked()
-            self.stats["bytes_sent"] += len(frame)
-            self._frames.append(frame)
-        self.loop.call_soon_threadsafe(self._wake.set)
+            self._pending.append(msg)
+            self._flush_locked()
 
     # ---- data in / out -----------------------------------------------------------------
     def upload(self, arr: np.ndarray) -> int:

@@ -59,10 +59,11 @@ def decode_hello(frame: bytes) -> dict[str, Any]:
 
 
 def encode_welcome(*, peer_id: str | None, devices: list[dict[str, Any]], device: int,
-                   limits: dict[str, int], server_version: str = "") -> bytes:
+                   limits: dict[str, int], server_version: str = "", **extra: Any) -> bytes:
+    """``extra``: ``instance`` (this server process), ``transfer_id`` (the peer id its downloads present)."""
     return packb({"type": "welcome", "protocol": m.PROTOCOL_VERSION, "peer_id": peer_id,
                   "device_count": len(devices), "devices": devices, "device": device,
-                  "limits": limits, "server": server_version})
+                  "limits": limits, "server": server_version, **extra})
 
 
 def encode_reject(code: str, reason: str, **extra: Any) -> bytes:

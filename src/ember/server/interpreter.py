@@ -91,6 +91,12 @@ class Interpreter:
             self.shape, None, None, None, None, None)
         self.ops_run = 0
 
+    def enable_transfers(self, ops: Any) -> None:
+        """Route EXPOSE / FETCH / MOVE to ``ops`` (a ``transfer.TransferOps``)."""
+        h = list(self.handlers)
+        h[m.EXPOSE], h[m.FETCH], h[m.MOVE] = ops.expose, ops.fetch, ops.move
+        self.handlers = tuple(h)
+
     # ---- batch ---------------------------------------------------------------
     def run_batch(self, batch: list[list[Any]]) -> None:
         out: list[list[Any]] = []

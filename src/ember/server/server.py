@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import logging
 import signal
 import threading
@@ -16,6 +17,7 @@ from ..transport.base import FrameConnection, Listener
 from .backends import Backend, make_backend
 from .interpreter import build_table
 from .session import Session, drive_session
+from .transfer import TransferHub
 
 log = logging.getLogger("ember.server")
 
@@ -65,6 +67,9 @@ class Server:
         self.listeners: list[Listener] = []
         self.sessions: dict[bytes, Session] = {}
         self.live: set[Session] = set()
+        self.transfers = TransferHub()
+        self.instance = os.urandom(8).hex()       # tells clients two sessions share this process
+        self.transfer_peer_id: str | None = None  # the id this peer presents when it downloads
         self.addresses: list[str] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None

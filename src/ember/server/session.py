@@ -21,6 +21,7 @@ from ..protocol import codec
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
 from .interpreter import Interpreter
+from .transfer import TransferOps, serve_transfer
 
 if TYPE_CHECKING:
     from .server import Server
@@ -47,6 +48,7 @@ class Session:
         backend = server.backends[self.device_index]
         self.interp = Interpreter(backend, server.tables[self.device_index], server.custom_ops,
                                   self.respond, server.limits)
+        self.interp.enable_transfers(TransferOps(self.interp, server.transfers, loop, server.limits["max_frame"]))
         self.worker = threading.Thread(target=self._work, name=f"ember-session-{self.session_id.hex()[:8]}",
                                        daemon=True)
         server.live.add(self)
@@ -91,15 +93,8 @@ async def _send_loop(session: Session) -> None:
         await conn.send(frame)
 
 
-async def _handshake(server: "Server", conn: FrameConnection) -> dict[str, Any] | None:
-    """Read and judge Hello; answer Reject and return None when refused."""
-    try:
-        first = await asyncio.wait_for(conn.recv(), HANDSHAKE_TIMEOUT)
-    except asyncio.TimeoutError:
-        log.info("%s sent no Hello within %.0f s", conn.remote, HANDSHAKE_TIMEOUT)
-        return None
-    if first is None:
-        return None
+async def _handshake(server: "Server", conn: FrameConnection, first: bytes) -> dict[str, Any] | None:
+    """Judge Hello; answer Reject and return None when refused."""
     try:
         hello = codec.decode_hello(first)
     except ProtocolError as e:
@@ -131,9 +126,20 @@ async def _handshake(server: "Server", conn: FrameConnection) -> dict[str, Any] 
 
 
 async def drive_session(server: "Server", conn: FrameConnection) -> None:
-    """Serve one session on ``conn`` until it closes, breaks or sends garbage."""
+    """Serve one stream: a session until it closes, breaks or sends garbage; or one download."""
     try:
-        hello = await _handshake(server, conn)
+        first = await asyncio.wait_for(conn.recv(), HANDSHAKE_TIMEOUT)
+        if first is None:
+            return
+        request = _transfer_request(first)
+        if request is not None:
+            await serve_transfer(server.transfers, conn, request, server.limits["chunk"])
+            await _close_quietly(conn)
+            return
+        hello = await _handshake(server, conn, first)
+    except asyncio.TimeoutError:
+        log.info("%s sent nothing within %.0f s", conn.remote, HANDSHAKE_TIMEOUT)
+        hello = None
     except (ConnectionError, EmberError, OSError) as e:
         log.info("handshake with %s failed: %s", conn.remote, e)
         hello = None
@@ -147,7 +153,8 @@ async def drive_session(server: "Server", conn: FrameConnection) -> None:
     try:
         await conn.send(codec.encode_welcome(
             peer_id=server.peer_id, devices=server.device_info(), device=session.device_index,
-            limits=server.limits, server_version=server.version))
+            limits=server.limits, server_version=server.version, instance=server.instance,
+            transfer_id=server.transfer_peer_id))
         max_frame = server.limits["max_frame"] + 4096
         while not sender.done():
             frame = await conn.recv()
@@ -162,6 +169,11 @@ async def drive_session(server: "Server", conn: FrameConnection) -> None:
             if len(batch) == 1 and batch[0][0] == m.PING:
                 session.outbox.put_nowait(codec.packb([[batch[0][1], m.OK, None]]))
                 continue
+            if batch[0][0] == m.EXPOSE:  # sent alone: downloads may wait for the worker to reach it
+                for msg in batch:
+                    if msg[0] == m.EXPOSE and len(msg) == 6 and isinstance(msg[2], bytes) \
+                            and isinstance(msg[5], (int, float)):
+                        server.transfers.announce(msg[2], float(msg[5]))
             session.inbox.put(batch)
             if batch[-1][0] == m.CLOSE:
                 break
@@ -176,6 +188,15 @@ async def drive_session(server: "Server", conn: FrameConnection) -> None:
         except Exception:
             sender.cancel()
         await _close_quietly(conn)
+
+
+def _transfer_request(first: bytes) -> dict[str, Any] | None:
+    """The first frame of a transfer stream, or None for anything else (a Hello, or garbage)."""
+    try:
+        d = codec.unpackb(first, max_frame=1 << 16)
+    except ProtocolError:
+        return None
+    return d if isinstance(d, dict) and d.get("type") == "transfer" else None
 
 
 async def _close_quietly(conn: FrameConnection) -> None:

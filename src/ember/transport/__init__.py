@@ -14,14 +14,17 @@ def is_iroh_address(address: str) -> bool:
     return address.startswith("endpoint") or bool(_PEER_ID.match(address))
 
 
-async def dial(address: str, *, timeout: float, max_frame: int) -> FrameConnection:
-    """Open a session stream to ``address`` (``ws://``/``wss://`` URL, iroh ticket or peer id)."""
+async def dial(address: str, *, timeout: float, max_frame: int, kind: str = "session") -> FrameConnection:
+    """Open a stream of ``kind`` (session / transfer) to ``address`` (``ws://`` URL, iroh ticket or peer id).
+
+    Over WebSocket a stream's kind is told by its first frame; over iroh by the stream header.
+    """
     if address.startswith(("ws://", "wss://")):
         from . import websocket
         return await websocket.dial(address, timeout=timeout, max_frame=max_frame)
     if is_iroh_address(address):
         from . import iroh
-        return await iroh.dial(address, timeout=timeout)
+        return await iroh.dial(address, timeout=timeout, kind=kind)
     raise ConnectError(f"cannot tell what kind of address {address!r} is",
                        hint='use "local", "ws://HOST:PORT", or the endpoint… ticket that `ember serve` prints')
 
