@@ -1,14 +1,52 @@
-"""Moving arrays between devices. Without a direct path, data goes through this client."""
+"""``x.to_device(dev)``: the cheapest path between two devices.
+
+* same device: the array itself;
+* same peer, other device: MOVE on the source session + FETCH(token) on the
+  target session; the peer hands the tensor over in-process;
+* different peers: EXPOSE (capability bound to the target's peer id) on the
+  source + FETCH(source address, capability) on the target; the target downloads
+  directly from the source, the payload never passes through this client;
+* the embedded ``local`` peer, or ``via_client=True``: download here, upload there.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from ..client.device import LOCAL
+from ..errors import TransferError
+from ..protocol import messages as m
+from ..transport import is_iroh_address
 from ._array import RemoteArray
+from ._device import check_dtype, resolve
 
 
-def move(x: RemoteArray, device: Any, *, via_client: bool = False) -> RemoteArray:
-    from ._creation import upload
-    from ._device import resolve
-    dev = resolve(device)
-    return upload(x.to_numpy(), dev)
+def move(x: RemoteArray, device: Any, *, via_client: bool = False, downloads: int = 1, ttl: float = 300.0,
+         timeout: float = 120.0) -> RemoteArray:
+    dst = resolve(device)
+    src = x.device
+    if dst is src:
+        return x
+    check_dtype(dst, x.dtype)
+    if via_client or LOCAL in (src.address, dst.address):
+        from ._creation import upload
+        return upload(x.to_numpy(), dst)
+    ss, ds = x._session, dst.session
+    tid = next(ds.ids)
+    if ss.welcome.get("instance") == ds.welcome.get("instance"):
+        token = os.urandom(32)
+        ss.record([m.MOVE, x._id, token])
+        ss.flush()
+        ds.record([m.FETCH, tid, None, token, timeout])
+    else:
+        if is_iroh_address(src.address) != is_iroh_address(dst.address):
+            raise TransferError(
+                f"{src.address[:24]}… and {dst.address[:24]}… are reached over different transports "
+                "(iroh and WebSocket), so the peers cannot reach each other directly",
+                hint="relay through this client: x.to_device(device, via_client=True)")
+        cap = os.urandom(32)
+        bound = ds.welcome.get("transfer_id") if is_iroh_address(src.address) else None
+        ss.send_alone([m.EXPOSE, x._id, cap, bound, downloads, ttl])
+        ds.record([m.FETCH, tid, src.address, cap, timeout])
+    return RemoteArray(tid, x.shape, x.dtype, dst, ds)
