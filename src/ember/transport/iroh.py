@@ -32,222 +32,24 @@ from typing import Any, Awaitable, Callable, Sequence
 import iroh
 import msgpack
 
-from ember.errors import ConnectError, LimitExceeded
+from ember.errors import ConnectError
 
 from . import iroh_fastcopy
 from .base import SessionHandler
+from .iroh_conn import (CODE_BAD_HEADER, CODE_BAD_VERSION, CODE_DONE, CODE_NO_HANDLER,
+                        CODE_SHUTDOWN, DEFAULT_MAX_FRAME, HEADER_LIMIT, KINDS, STREAM_VERSION,
+                        FrameTooLarge, IrohConnection)
 from .iroh_endpoint import (ALPN, bind_endpoint, close_endpoint, iroh_message, parse_relay,
                             relay_mode_name)
 
 __all__ = ["ALPN", "STREAM_VERSION", "DEFAULT_MAX_FRAME", "FrameTooLarge", "IrohConnection",
-           "IrohListener", "dial", "configure_client", "close_client", "is_iroh_address",
+           "IrohListener", "dial", "configure_client", "close_client", "client_peer_id", "is_iroh_address",
            "parse_address", "mount", "EmberProtocol", "bind_endpoint"]
 
 log = logging.getLogger("ember.transport.iroh")
-
-STREAM_VERSION = 1
-#: Largest frame accepted by default: 64 MiB of tensor chunk plus headroom.
-DEFAULT_MAX_FRAME = 64 * 2**20 + 2**20
-HEADER_LIMIT = 4096
-KINDS = ("session", "transfer")
-_READ_CHUNK = 64 * 1024
-_WRITE_CHUNK = 4 * 2**20
-_INLINE = 64 * 1024
 _CLOSE_STEP = 1.0
 
-# Application error codes used to reset / stop streams.
-CODE_DONE, CODE_BAD_HEADER, CODE_BAD_VERSION, CODE_NO_HANDLER = 0, 1, 2, 3
-CODE_TOO_LARGE, CODE_SHUTDOWN, CODE_ABORT = 4, 5, 6
-_CODE_TEXT = {
-    CODE_BAD_HEADER: "the peer rejected the stream header (not an Ember stream?)",
-    CODE_BAD_VERSION: "the peer does not support this stream version",
-    CODE_NO_HANDLER: "the peer does not serve this kind of stream",
-    CODE_TOO_LARGE: "the peer refused a frame larger than its limit",
-    CODE_SHUTDOWN: "the peer is shutting down",
-    CODE_ABORT: "the peer aborted the stream",
-}
-
-TransferHandler = Callable[["IrohConnection"], Awaitable[None]]
-
-
-class FrameTooLarge(ConnectionError):
-    """A frame's length prefix exceeds the receiver's limit."""
-
-
-_EOF = object()
-
-
-def _describe(e: BaseException) -> str:
-    """A readable reason for a stream/connection failure."""
-    msg = iroh_message(e)
-    m = re.fullmatch(r"(Reset|Stopped)\((\d+)\)", msg.strip())
-    if m:
-        text = _CODE_TEXT.get(int(m.group(2)), f"code {m.group(2)}")
-        return f"stream {'reset' if m.group(1) == 'Reset' else 'stopped'} by peer: {text}"
-    if "ConnectionLost" in msg or "ApplicationClosed" in msg or "TimedOut" in msg:
-        r = re.search(r'reason: b"(.*?)"', msg)
-        if "TimedOut" in msg:
-            return "connection lost: the peer stopped answering (idle timeout)"
-        return f"connection closed by peer{': ' + r.group(1) if r and r.group(1) else ''}"
-    return msg
-
-
-class IrohConnection:
-    """One framed, bidirectional stream on a QUIC connection."""
-
-    def __init__(self, stream: Any, conn: Any, *, peer_id: str, kind: str = "session",
-                 max_frame: int = DEFAULT_MAX_FRAME, first_frame_limit: int | None = None,
-                 queue_size: int = 8) -> None:
-        self.peer_id: str | None = peer_id
-        self.remote = f"iroh:{peer_id}"
-        self.kind = kind
-        self.max_frame = max_frame
-        self._conn = conn
-        self._send = stream.send()
-        self._recv = stream.recv()
-        self._first_limit = first_frame_limit
-        self._q: asyncio.Queue = asyncio.Queue(maxsize=queue_size)
-        self._reader: asyncio.Task | None = None
-        self._send_lock = asyncio.Lock()
-        self._closed = False
-        self._broken: str | None = None
-
-    @property
-    def connection_id(self) -> int:
-        """Stable id of the underlying QUIC connection (shared by sessions)."""
-        return int(self._conn.stable_id())
-
-    def _start(self) -> None:
-        if self._reader is None and not self._closed:
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
-
-    # -- receiving ---------------------------------------------------------
-    async def _read_loop(self) -> None:
-        buf = bytearray()
-        limit = self._first_limit or self.max_frame
-        try:
-            while True:
-                while len(buf) < 4:
-                    chunk = await self._recv.read(_READ_CHUNK)
-                    if not chunk:
-                        if buf:
-                            raise ConnectionError("stream ended in the middle of a frame")
-                        await self._q.put(_EOF)
-                        return
-                    buf += chunk
-                n = int.from_bytes(buf[:4], "big")
-                if n > limit:
-                    with suppress(Exception):
-                        await asyncio.wait_for(self._recv.stop(CODE_TOO_LARGE), _CLOSE_STEP)
-                    raise FrameTooLarge(f"incoming frame of {n} bytes exceeds the limit of {limit} bytes")
-                limit = self.max_frame
-                if len(buf) >= 4 + n:
-                    frame = bytes(buf[4:4 + n])
-                    del buf[:4 + n]
-                else:
-                    head = bytes(buf[4:])
-                    buf.clear()
-                    rest = await self._recv.read_exact(n - len(head))
-                    frame = head + rest if head else rest
-                await self._q.put(frame)
-        except asyncio.CancelledError:
-            raise
-        except ConnectionError as e:
-            await self._q.put(e)
-        except Exception as e:  # noqa: BLE001 - IrohError and friends
-            await self._q.put(ConnectionError(_describe(e)))
-
-    async def recv(self) -> bytes | None:
-        """Next frame, ``None`` at a clean end; ``ConnectionError`` if broken.
-
-        Cancel-safe: a cancelled ``recv`` loses no data.
-        """
-        if self._closed:
-            return None
-        self._start()
-        item = await self._q.get()
-        if item is _EOF or isinstance(item, BaseException):
-            self._q.put_nowait(item)  # every later recv sees the same end
-            if item is _EOF:
-                return None
-            raise type(item)(str(item))
-        return item
-
-    # -- sending -----------------------------------------------------------
-    async def send(self, frame: bytes | bytearray | memoryview) -> None:
-        """Send one frame. ``LimitExceeded`` above ``max_frame``."""
-        if self._closed:
-            raise ConnectionError("stream closed")
-        if self._broken:
-            raise ConnectionError(self._broken)
-        mv = frame if isinstance(frame, bytes) else memoryview(frame).cast("B")
-        n = len(mv) if isinstance(mv, bytes) else mv.nbytes
-        if n > self.max_frame:
-            raise LimitExceeded(f"frame of {n} bytes exceeds the limit of {self.max_frame} bytes")
-        prefix = n.to_bytes(4, "big")
-        async with self._send_lock:
-            try:
-                if n <= _INLINE:
-                    await self._send.write_all(prefix + bytes(mv))
-                else:
-                    await self._send.write_all(prefix)
-                    view = memoryview(mv)
-                    fast = iroh_fastcopy.fast_copy_installed()
-                    for off in range(0, n, _WRITE_CHUNK):
-                        part = view[off:off + _WRITE_CHUNK]
-                        await self._send.write_all(part if fast else part.tobytes())
-            except asyncio.CancelledError:
-                self._broken = "a send was cancelled midway; the stream is no longer usable"
-                with suppress(Exception):
-                    await asyncio.wait_for(self._send.reset(CODE_ABORT), _CLOSE_STEP)
-                raise
-            except Exception as e:  # noqa: BLE001
-                self._broken = _describe(e)
-                raise ConnectionError(self._broken) from None
-
-    async def _send_header(self, kind: str) -> None:
-        await self.send(msgpack.packb({"kind": kind, "version": STREAM_VERSION}))
-
-    # -- closing -----------------------------------------------------------
-    async def close(self) -> None:
-        """Finish our side and stop reading; bounded, idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            await asyncio.wait_for(self._send_lock.acquire(), _CLOSE_STEP)
-            try:
-                await asyncio.wait_for(self._send.finish(), _CLOSE_STEP)
-            finally:
-                self._send_lock.release()
-        except asyncio.CancelledError:
-            raise
-        except BaseException:  # noqa: BLE001 - lock busy or finish failed: reset
-            with suppress(Exception):
-                await asyncio.wait_for(self._send.reset(CODE_ABORT), _CLOSE_STEP)
-        await self._stop_reading(CODE_DONE)
-
-    async def abort(self, code: int = CODE_ABORT) -> None:
-        """Reset both directions with ``code`` (protocol violations)."""
-        if self._closed:
-            return
-        self._closed = True
-        with suppress(Exception):
-            await asyncio.wait_for(self._send.reset(code), _CLOSE_STEP)
-        await self._stop_reading(code)
-
-    async def _stop_reading(self, code: int) -> None:
-        if self._reader is not None and not self._reader.done():
-            self._reader.cancel()
-            with suppress(BaseException):
-                await asyncio.wait_for(self._reader, _CLOSE_STEP)
-        with suppress(Exception):
-            await asyncio.wait_for(self._recv.stop(code), _CLOSE_STEP)
-        with suppress(asyncio.QueueFull):
-            self._q.put_nowait(_EOF)  # wake a recv blocked on an empty queue
-
-    def __repr__(self) -> str:
-        return f"<IrohConnection {self.kind} peer={self.peer_id} closed={self._closed}>"
+TransferHandler = Callable[[IrohConnection], Awaitable[None]]
 
 
 # ---------------------------------------------------------------------------
@@ -334,6 +136,8 @@ class _ConnectionServer:
             with suppress(BaseException):
                 await asyncio.shield(c.abort(CODE_SHUTDOWN))
             raise
+        except ConnectionError as e:  # the link broke under the handler: routine
+            log.debug("%s stream from %s ended: %s", c.kind, peer, e)
         except Exception:  # noqa: BLE001 - a handler bug must not hurt the listener
             log.exception("%s handler failed for peer %s", c.kind, peer)
         finally:
@@ -375,11 +179,12 @@ class IrohListener:
         self._server: _ConnectionServer | None = None
         self._accept_task: asyncio.Task | None = None
         self._stopping = False
+        self._addr: Any = None
 
     async def start(self, handler: SessionHandler) -> None:
         """Bind and accept; raises :class:`ember.errors.BindError`."""
-        if self.endpoint is not None:
-            raise RuntimeError("listener already started")
+        if self.endpoint is not None or self._stopping:
+            raise RuntimeError("an IrohListener starts once")
         self.endpoint = await bind_endpoint(key=self.key, relay=self.relay_spec,
                                             offline=self.offline, bind=self.bind,
                                             **self._bind_opts)  # type: ignore[arg-type]
@@ -429,24 +234,34 @@ class IrohListener:
             self._accept_task.cancel()
             with suppress(BaseException):
                 await asyncio.wait_for(self._accept_task, _CLOSE_STEP)
+        self._addr = self.endpoint.addr()
         await close_endpoint(self.endpoint)
+        self.endpoint = None  # iroh frees the UDP sockets only once the object is gone
+        self._server = None
 
     # -- what `ember serve` prints ------------------------------------------
+    def _current_addr(self) -> Any:
+        if self.endpoint is not None:
+            return self.endpoint.addr()
+        if self._addr is None:
+            raise RuntimeError("listener not started")
+        return self._addr
+
     @property
     def peer_id(self) -> str:
-        return str(self.endpoint.id())
+        return str(self._current_addr().id())
 
     @property
     def ticket(self) -> str:
-        return str(iroh.EndpointTicket.from_addr(self.endpoint.addr()))
+        return str(iroh.EndpointTicket.from_addr(self._current_addr()))
 
     @property
     def direct_addresses(self) -> list[str]:
-        return list(self.endpoint.addr().direct_addresses())
+        return list(self._current_addr().direct_addresses())
 
     @property
     def relay_url(self) -> str | None:
-        return self.endpoint.addr().relay_url()
+        return self._current_addr().relay_url()
 
     @property
     def relay_mode(self) -> str:
@@ -455,7 +270,7 @@ class IrohListener:
 
     @property
     def addresses(self) -> list[str]:
-        return [self.ticket] if self.endpoint is not None else []
+        return [self.ticket] if self.endpoint is not None or self._addr is not None else []
 
 
 # ---------------------------------------------------------------------------
@@ -612,12 +427,23 @@ def _state(offline: bool) -> _ClientState:
         return st
 
 
+async def client_peer_id(offline: bool | None = None) -> str:
+    """This process's client identity on the running loop (binds if needed)."""
+    st = _state(_client_offline(offline))
+    return str((await st.get_endpoint()).id())
+
+
 async def close_client() -> None:
     """Close this loop's client connections and endpoints (bounded)."""
     loop = asyncio.get_running_loop()
     with _states_lock:
         per_loop = _states.pop(loop, {})
     for st in per_loop.values():
+        pending = list(st.pending.values())
+        for task in pending:  # abandoned attempts would delay the close
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=_CLOSE_STEP)
         for conn in list(st.conns.values()):
             with suppress(Exception):
                 conn.close(CODE_DONE, b"client closing")

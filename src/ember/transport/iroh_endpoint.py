@@ -171,8 +171,8 @@ class _EmberPreset(iroh.Preset):
     """Applies exactly the options asked for; never raises into Rust."""
 
     def __init__(self, *, offline: bool, relay: str | list[str], binds: list[str] | None,
-                 key: bytes | None, alpns: list[bytes] | None) -> None:
-        self.offline, self.relay, self.binds = offline, relay, binds
+                 key: bytes | None, alpns: list[bytes] | None, discovery: bool = True) -> None:
+        self.offline, self.relay, self.binds, self.discovery = offline, relay, binds, discovery
         self.key, self.alpns = key, alpns
         self.error: BaseException | None = None
 
@@ -181,6 +181,12 @@ class _EmberPreset(iroh.Preset):
             if self.offline:
                 builder.apply_minimal()
                 builder.relay_mode(iroh.RelayMode.disabled())
+            elif not self.discovery:  # relays only (doctor, tests with a local relay)
+                builder.apply_minimal()
+                builder.relay_mode(iroh.RelayMode.custom_from_urls(self.relay)
+                                   if isinstance(self.relay, list) else
+                                   iroh.RelayMode.disabled() if self.relay == "disabled"
+                                   else iroh.RelayMode.default_mode())
             elif self.relay == "disabled":
                 builder.apply_n0_disable_relay()
             else:
@@ -285,14 +291,15 @@ async def bind_endpoint(*, key: bytes | None = None, relay: Any = "default",
                         protocols: dict[bytes, Any] | None = None,
                         retries: int = 3, backoff: float = 0.25,
                         require_relay: bool = True, online_timeout: float = 5.0,
-                        bind_timeout: float = 10.0) -> Any:
+                        bind_timeout: float = 10.0, discovery: bool = True) -> Any:
     """Bind an iroh endpoint; raise :class:`BindError` on any failure.
 
     ``retries`` transient failures are retried after ``backoff``, doubling
     each time (defaults: at most 4 attempts, 1.75 s of sleeping). Permanent
     failures raise at once. When ``require_relay`` and the mode uses relays,
     wait at most ``online_timeout`` seconds for a home relay, else raise cause
-    ``relay_unreachable``.
+    ``relay_unreachable``. ``discovery=False`` keeps relays but turns off
+    n0 discovery (publishing and lookups).
     """
     install_all()
     key = _check_key(key)
@@ -301,7 +308,8 @@ async def bind_endpoint(*, key: bytes | None = None, relay: Any = "default",
     attempt = 0
     while True:
         preset = _EmberPreset(offline=offline, relay=relay_spec, binds=binds, key=key,
-                              alpns=list(alpns) if alpns is not None else None)
+                              alpns=list(alpns) if alpns is not None else None,
+                              discovery=discovery)
         try:
             ep = await _bind_once(preset, protocols, bind_timeout, binds)
             break
