@@ -33,6 +33,9 @@ def move(x: RemoteArray, device: Any, *, via_client: bool = False, downloads: in
         from ._creation import upload
         return upload(x.to_numpy(), dst)
     ss, ds = x._session, dst.session
+    if ss.lost is not None:
+        raise TransferError(f"the source device's session is gone: {ss.lost.message}",
+                            hint="arrays do not survive their session; recompute the value")
     tid = next(ds.ids)
     if ss.welcome.get("instance") == ds.welcome.get("instance"):
         token = os.urandom(32)
