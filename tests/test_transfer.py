@@ -209,3 +209,21 @@ def test_256_mib_peer_to_peer_with_a_small_client():
     finally:
         p1.kill()
         p2.kill()
+
+
+def test_numpy_and_torch_devices_on_one_peer():
+    pytest.importorskip("torch")
+    srv = Server(["cpu", "torch:cpu"])
+    srv.listen_websocket("127.0.0.1", 0)
+    srv.start_in_thread()
+    try:
+        d0, d1 = ember.devices(srv.addresses[0])
+        assert (d0.info["backend"], d1.info["backend"]) == ("numpy", "torch")
+        assert "uint64" not in d1.dtypes
+        x = xp.asarray(np.arange(6.0).reshape(2, 3), device=d0)
+        y = x.to_device(d1)
+        np.testing.assert_array_equal((xp.exp(y) @ xp.ones((3, 1), dtype=xp.float64, device=d1)).to_numpy(),
+                                      np.exp(np.arange(6.0).reshape(2, 3)) @ np.ones((3, 1)))
+        np.testing.assert_array_equal((y.to_device(d0) * 2).to_numpy(), np.arange(6.0).reshape(2, 3) * 2)
+    finally:
+        srv.close()
