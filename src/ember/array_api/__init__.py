@@ -1,14 +1,17 @@
-"""``ember.array_api``: the Python Array API standard, executed on compute peers.
+"""``ember.array_api``: the Python Array API standard (2024.12), executed on compute peers.
 
-One module per family of the standard. Every function records an op on the
-device of its inputs (or ``device=`` / the default device for creation) and
-returns at once; values travel only when read.
+One module per family of the standard. Every function computes its result's shape
+and dtype here, records an op on the device of its inputs (or ``device=`` / the
+default device for creation) and returns at once; values travel only when read.
+Functions whose output shape depends on data (``unique_*``, ``nonzero``, boolean
+masks, ``repeat`` with array repeats) cost one round trip to learn the shape.
 """
 
 from __future__ import annotations
 
 from math import e, inf, nan, pi
 
+from . import fft, linalg
 from ._array import RemoteArray
 from ._creation import *  # noqa: F401,F403
 from ._creation import __all__ as _creation_all
@@ -18,17 +21,30 @@ from ._dtypes import (bool, complex64, complex128, float32, float64, int8, int16
                       uint8, uint16, uint32, uint64)
 from ._elementwise import *  # noqa: F401,F403
 from ._elementwise import __all__ as _elementwise_all
-from ._linalg import matmul
+from ._indexing import *  # noqa: F401,F403
+from ._indexing import __all__ as _indexing_all
+from ._info import __array_namespace_info__
+from ._linalg import *  # noqa: F401,F403
+from ._linalg import __all__ as _linalg_all
 from ._manipulation import *  # noqa: F401,F403
 from ._manipulation import __all__ as _manipulation_all
-from ._searching import where
-from ._statistical import all, any, max, mean, min, prod, std, sum, var  # noqa: A004
+from ._searching import *  # noqa: F401,F403
+from ._searching import __all__ as _searching_all
+from ._set import *  # noqa: F401,F403
+from ._set import __all__ as _set_all
+from ._sorting import *  # noqa: F401,F403
+from ._sorting import __all__ as _sorting_all
+from ._statistical import *  # noqa: F401,F403
+from ._statistical import __all__ as _statistical_all
+from ._utility import *  # noqa: F401,F403
+from ._utility import __all__ as _utility_all
 
 __array_api_version__ = "2024.12"
 newaxis = None
 Array = RemoteArray
 
-__all__ = (["__array_api_version__", "Array", "e", "inf", "nan", "pi", "newaxis", "matmul", "where",
-            "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32",
-            "float64", "complex64", "complex128", "all", "any", "max", "mean", "min", "prod", "std", "sum", "var"]
-           + _creation_all + _data_types_all + _elementwise_all + _manipulation_all)
+__all__ = (["__array_api_version__", "__array_namespace_info__", "Array", "e", "inf", "nan", "pi", "newaxis",
+            "fft", "linalg", "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+            "float32", "float64", "complex64", "complex128"]
+           + _creation_all + _data_types_all + _elementwise_all + _indexing_all + _linalg_all + _manipulation_all
+           + _searching_all + _set_all + _sorting_all + _statistical_all + _utility_all)

@@ -127,10 +127,29 @@ class RemoteArray:
         return f"RemoteArray(shape={self._shape}, dtype={self._dtype.name}, device={self._dev!r})"
 
     def to_device(self, device: Any, /, *, stream: Any = None, **kw: Any) -> "RemoteArray":
-        if device is self._dev:
+        """This array on ``device`` (the same object when it is already there)."""
+        if device is self._dev or device is None:
             return self
+        from ._device import resolve
         from ._transfer import move
-        return move(self, device, **kw)
+        return move(self, resolve(device), **kw)
+
+    # ---- DLPack: through a host copy ---------------------------------------------
+    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+        """Export a host copy (the value lives on a peer: there is no zero-copy path)."""
+        if copy is False:
+            raise BufferError("an ember array lives on a compute peer; DLPack export needs a host copy "
+                              "(copy=False cannot be honoured)")
+        if dl_device is not None and dl_device[0] != 1:
+            raise BufferError(f"ember exports DLPack tensors on the host (kDLCPU) only, not {dl_device}")
+        host = np.array(self.to_numpy())  # writable: DLPack consumers may not honour read-only flags
+        if max_version is None:
+            return host.__dlpack__()
+        return host.__dlpack__(max_version=max_version)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU: the exported capsule is a host copy
 
     # ---- indexing -----------------------------------------------------------------
     def __getitem__(self, key: Any) -> "RemoteArray":
@@ -150,11 +169,21 @@ class RemoteArray:
 
 # ---- the op path ----------------------------------------------------------------------
 
+def _owner(args: list[Any]) -> RemoteArray:
+    for x in args:
+        if type(x) is RemoteArray:
+            return x
+    raise TypeError("an op needs at least one ember array argument")
+
+
 def emit(name: str, args: list[Any], smask: int, kwargs: dict[str, Any] | None,
          shape: tuple[int, ...], dtype: DType, session: ClientSession | None = None, dev: Any = None) -> RemoteArray:
-    """Record op ``name`` on the session of the first array in ``args``; return its output."""
+    """Record op ``name`` on the session of the first array in ``args``; return its output.
+
+    ``smask`` marks (bit i) the positions of ``args`` that are literal scalars, not arrays.
+    """
     if session is None:
-        a = args[0] if not smask & 1 else next(x for x in args if type(x) is RemoteArray)
+        a = args[0] if not smask & 1 else _owner(args)
         session, dev = a._session, a._dev
     ids = [x._id if type(x) is RemoteArray else x for x in args]
     tid = next(session.ids)
@@ -163,22 +192,45 @@ def emit(name: str, args: list[Any], smask: int, kwargs: dict[str, Any] | None,
 
 
 def emit_multi(name: str, args: list[Any], kwargs: dict[str, Any] | None,
-               specs: list[tuple[tuple[int, ...], DType]]) -> tuple[RemoteArray, ...]:
-    """Record an op with several outputs (all args are arrays of one session)."""
-    a = args[0]
-    session, dev = a._session, a._dev
+               specs: list[tuple[tuple[int, ...], DType]], smask: int = 0,
+               session: ClientSession | None = None, dev: Any = None) -> tuple[RemoteArray, ...]:
+    """Record an op with several outputs, one per ``(shape, dtype)`` in ``specs``."""
+    if session is None:
+        a = _owner(args)
+        session, dev = a._session, a._dev
+    ids = [x._id if type(x) is RemoteArray else x for x in args]
     tids = [next(session.ids) for _ in specs]
-    session.record([_OP, name, [x._id for x in args], 0, tids, kwargs])
+    session.record([_OP, name, ids, smask, tids, kwargs])
     return tuple(RemoteArray(t, s, dt, dev, session) for t, (s, dt) in zip(tids, specs))
+
+
+def _ask_shape(out: RemoteArray) -> tuple[int, ...]:
+    """The one round trip of a data-dependent op: the shape of its (first) output."""
+    shape, _ = out._session.request(m.SHAPE, out._id)
+    return tuple(shape)
 
 
 def emit_dynamic(name: str, args: list[Any], kwargs: dict[str, Any] | None, dtype: DType,
                  smask: int = 0) -> RemoteArray:
     """An op whose output shape depends on data: one round trip to learn it."""
     out = emit(name, args, smask, kwargs, (), dtype)
-    shape, _ = out._session.request(m.SHAPE, out._id)
-    out._shape = tuple(shape)
+    out._shape = _ask_shape(out)
     return out
+
+
+def emit_dynamic_multi(name: str, args: list[Any], kwargs: dict[str, Any] | None,
+                       specs: list[tuple[tuple[int, ...] | None, DType]]) -> tuple[RemoteArray, ...]:
+    """Several outputs, all of length n (a data-dependent count) except those whose shape is given.
+
+    One SHAPE request for the first output (which must be 1-d of length n) sizes every output
+    whose spec shape is None: still one round trip.
+    """
+    outs = emit_multi(name, args, kwargs, [(s or (), dt) for s, dt in specs])
+    n = _ask_shape(outs[0])
+    for o, (s, _) in zip(outs, specs):
+        if s is None:
+            o._shape = n
+    return outs
 
 
 def same_device(*arrays: RemoteArray) -> None:
@@ -220,7 +272,8 @@ def _rules(category: str, rule: str, names: str) -> None:
 
 
 _rules("numeric", "same", "add subtract multiply pow negative positive square sign conj round")
-_rules("numeric", "real", "abs real imag")
+_rules("numeric", "real", "abs real")
+_rules("complex floating-point", "real", "imag")
 _rules("floating-point", "same", "divide acos acosh asin asinh atan atanh cos cosh exp expm1 log log1p log2 log10 "
                                  "sin sinh sqrt tan tanh reciprocal")
 _rules("real floating-point", "same", "atan2 copysign hypot logaddexp nextafter")
@@ -335,5 +388,5 @@ RemoteArray.__matmul__ = _matmul  # type: ignore[attr-defined]
 RemoteArray.__rmatmul__ = _rmatmul  # type: ignore[attr-defined]
 RemoteArray.__imatmul__ = _imatmul  # type: ignore[attr-defined]
 
-__all__ = ["RemoteArray", "emit", "emit_multi", "emit_dynamic", "unary", "binary", "broadcast_shapes",
+__all__ = ["RemoteArray", "emit", "emit_multi", "emit_dynamic", "emit_dynamic_multi", "unary", "binary", "broadcast_shapes",
            "same_device"]

@@ -8,16 +8,18 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _dtypes as d
-from ._array import RemoteArray, emit
+from ._array import RemoteArray, emit, emit_multi, same_device
 from ._device import check_dtype, resolve
 from ._dtypes import DType, to_dtype
 
-__all__ = ["asarray", "zeros", "ones", "empty", "full", "arange", "linspace", "eye",
-           "zeros_like", "ones_like", "empty_like", "full_like"]
+__all__ = ["arange", "asarray", "empty", "empty_like", "eye", "from_dlpack", "full", "full_like", "linspace",
+           "meshgrid", "ones", "ones_like", "tril", "triu", "zeros", "zeros_like"]
+
+_PY_SCALARS = (bool, int, float, complex)
 
 
 def _shape(shape: int | Sequence[int]) -> tuple[int, ...]:
-    s = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+    s = (int(shape),) if isinstance(shape, int) else tuple(int(n) for n in shape)
     if any(n < 0 for n in s):
         raise ValueError(f"negative dimension in shape {s}")
     return s
@@ -35,62 +37,94 @@ def _scalar_dtype(v: Any) -> DType:
     raise TypeError(f"expected a Python scalar, got {type(v).__name__}")
 
 
+def _dtype_or(dtype: Any, default: DType) -> DType:
+    return default if dtype is None else to_dtype(dtype)
+
+
 def _create(name: str, device: Any, kwargs: dict[str, Any], shape: tuple[int, ...], dt: DType,
-            args: Sequence[Any] = ()) -> RemoteArray:
-    """Record a creation op; ``args`` are positional scalars (e.g. arange's start)."""
+            args: list[Any] | None = None) -> RemoteArray:
+    """Record a creation op; ``args`` are the standard's positional-only (scalar) parameters."""
     dev = resolve(device)
     check_dtype(dev, dt)
     kwargs["dtype"] = dt.name
-    s = dev.session
-    return emit(name, list(args), (1 << len(args)) - 1, kwargs, shape, dt, session=s, dev=dev)
+    args = args or []
+    return emit(name, args, (1 << len(args)) - 1, kwargs, shape, dt, session=dev.session, dev=dev)
 
 
 def upload(arr: np.ndarray, dev: Any) -> RemoteArray:
+    """Send host data to ``dev`` as a new array."""
     dt = d.to_dtype(arr.dtype)
     check_dtype(dev, dt)
     s = dev.session
     return RemoteArray(s.upload(arr), tuple(arr.shape), dt, dev, s)
 
 
+def _host(obj: Any, dtype: DType | None) -> np.ndarray:
+    """Host data for ``obj`` (NumPy array, buffer, DLPack producer, nested sequence or scalar)."""
+    if not isinstance(obj, np.ndarray) and hasattr(obj, "__dlpack__") and not isinstance(obj, _PY_SCALARS):
+        try:
+            obj = np.from_dlpack(obj)
+        except (BufferError, RuntimeError, TypeError):  # a device tensor NumPy cannot import
+            obj = np.asarray(obj)
+    if isinstance(obj, (list, tuple)) and any(isinstance(v, RemoteArray) for v in obj):
+        obj = [np.asarray(v) for v in obj]
+    arr = np.asarray(obj, dtype=dtype.np if dtype is not None else None)
+    if arr.dtype.name not in d.BY_NAME:
+        raise TypeError(f"asarray: NumPy dtype {arr.dtype} is not an Array API dtype; pass dtype=")
+    return arr
+
+
 def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: bool | None = None) -> RemoteArray:
+    dt = None if dtype is None else to_dtype(dtype)
     if isinstance(obj, RemoteArray):
-        from ._data_types import astype
         out = obj if device is None or device is obj.device else obj.to_device(device)
-        if dtype is not None and to_dtype(dtype) is not out.dtype:
+        if dt is not None and dt is not out.dtype:
             if copy is False:
                 raise ValueError("asarray(copy=False) cannot change the dtype")
-            return astype(out, dtype)
+            from ._data_types import astype
+            return astype(out, dt)
+        if out is not obj and copy is False:
+            raise ValueError("asarray(copy=False) cannot move an array to another device")
         return emit("copy", [out], 0, None, out.shape, out.dtype) if copy and out is obj else out
     if copy is False:
         raise ValueError("asarray(copy=False) cannot avoid a copy: the data must be sent to the peer")
-    dev = resolve(device)
-    if hasattr(obj, "__array_namespace__") or hasattr(obj, "__dlpack__") and not isinstance(obj, np.ndarray):
-        obj = np.from_dlpack(obj) if hasattr(obj, "__dlpack__") else np.asarray(obj)
-    arr = np.asarray(obj, dtype=to_dtype(dtype).np if dtype is not None else None)
-    if dtype is None and arr.dtype.name not in d.BY_NAME:
-        raise TypeError(f"asarray: NumPy dtype {arr.dtype} is not an Array API dtype; pass dtype=")
-    return upload(arr, dev)
+    return upload(_host(obj, dt), resolve(device))
+
+
+def from_dlpack(x: Any, /, *, device: Any = None, copy: bool | None = None) -> RemoteArray:
+    """Import a DLPack producer (through a host copy) onto ``device``."""
+    if isinstance(x, RemoteArray):
+        return asarray(x, device=device, copy=copy)
+    if copy is False:
+        raise BufferError("from_dlpack(copy=False): the data must be copied to the compute peer")
+    if not hasattr(x, "__dlpack__"):
+        raise TypeError(f"from_dlpack needs an object with __dlpack__, got {type(x).__name__}")
+    return upload(_host(x, None), resolve(device))
 
 
 def zeros(shape: int | Sequence[int], *, dtype: Any = None, device: Any = None) -> RemoteArray:
     s = _shape(shape)
-    return _create("zeros", device, {"shape": list(s)}, s, to_dtype(dtype) if dtype else d.DEFAULT_FLOAT)
+    return _create("zeros", device, {"shape": list(s)}, s, _dtype_or(dtype, d.DEFAULT_FLOAT))
 
 
 def ones(shape: int | Sequence[int], *, dtype: Any = None, device: Any = None) -> RemoteArray:
     s = _shape(shape)
-    return _create("ones", device, {"shape": list(s)}, s, to_dtype(dtype) if dtype else d.DEFAULT_FLOAT)
+    return _create("ones", device, {"shape": list(s)}, s, _dtype_or(dtype, d.DEFAULT_FLOAT))
 
 
 def empty(shape: int | Sequence[int], *, dtype: Any = None, device: Any = None) -> RemoteArray:
     s = _shape(shape)
-    return _create("empty", device, {"shape": list(s)}, s, to_dtype(dtype) if dtype else d.DEFAULT_FLOAT)
+    return _create("empty", device, {"shape": list(s)}, s, _dtype_or(dtype, d.DEFAULT_FLOAT))
 
 
 def full(shape: int | Sequence[int], fill_value: bool | int | float | complex, *, dtype: Any = None,
          device: Any = None) -> RemoteArray:
     s = _shape(shape)
-    dt = to_dtype(dtype) if dtype else _scalar_dtype(fill_value)
+    if isinstance(fill_value, RemoteArray):
+        fill_value = fill_value._scalar(complex if fill_value.dtype.kind == "c" else
+                                        float if fill_value.dtype.kind == "f" else
+                                        bool if fill_value.dtype.kind == "b" else int)
+    dt = _dtype_or(dtype, _scalar_dtype(fill_value))
     return _create("full", device, {"shape": list(s), "fill_value": fill_value}, s, dt)
 
 
@@ -100,10 +134,10 @@ def arange(start: int | float, /, stop: int | float | None = None, step: int | f
         start, stop = 0, start
     if step == 0:
         raise ValueError("arange step must not be zero")
-    n = max(0, math.ceil((stop - start) / step))
     isfloat = any(isinstance(v, float) for v in (start, stop, step))
-    dt = to_dtype(dtype) if dtype else (d.DEFAULT_FLOAT if isfloat else d.DEFAULT_INT)
-    return _create("arange", device, {"stop": stop, "step": step}, (n,), dt, [start])
+    n = max(0, math.ceil((stop - start) / step)) if isfloat else len(range(start, stop, step))
+    dt = _dtype_or(dtype, d.DEFAULT_FLOAT if isfloat else d.DEFAULT_INT)
+    return _create("arange", device, {"num": n}, (n,), dt, [start, stop, step])
 
 
 def linspace(start: int | float | complex, stop: int | float | complex, /, num: int, *, dtype: Any = None,
@@ -111,21 +145,30 @@ def linspace(start: int | float | complex, stop: int | float | complex, /, num: 
     if num < 0:
         raise ValueError("linspace num must be >= 0")
     iscomplex = isinstance(start, complex) or isinstance(stop, complex)
-    dt = to_dtype(dtype) if dtype else (d.DEFAULT_COMPLEX if iscomplex else d.DEFAULT_FLOAT)
+    dt = _dtype_or(dtype, d.DEFAULT_COMPLEX if iscomplex else d.DEFAULT_FLOAT)
+    if iscomplex and dt not in d.COMPLEX:
+        raise TypeError(f"linspace with complex bounds needs a complex dtype, got {dt}")
     return _create("linspace", device, {"num": num, "endpoint": endpoint}, (num,), dt, [start, stop])
 
 
 def eye(n_rows: int, n_cols: int | None = None, /, *, k: int = 0, dtype: Any = None,
         device: Any = None) -> RemoteArray:
     cols = n_rows if n_cols is None else n_cols
-    return _create("eye", device, {"k": k}, (n_rows, cols), to_dtype(dtype) if dtype else d.DEFAULT_FLOAT,
-                   [n_rows, cols])
+    if n_rows < 0 or cols < 0:
+        raise ValueError(f"eye needs non-negative sizes, got {n_rows}, {cols}")
+    return _create("eye", device, {"k": k}, (n_rows, cols), _dtype_or(dtype, d.DEFAULT_FLOAT), [n_rows, cols])
 
 
 def _like(name: str, x: RemoteArray, dtype: Any, device: Any, **kw: Any) -> RemoteArray:
+    if type(x) is not RemoteArray:
+        raise TypeError(f"{name} expects an ember array, got {type(x).__name__}")
+    dt = _dtype_or(dtype, x.dtype)
     if device is not None and device is not x.device:
-        return globals()[name.removesuffix("_like")](x.shape, dtype=dtype or x.dtype, device=device, **kw)
-    dt = to_dtype(dtype) if dtype else x.dtype
+        base = name.removesuffix("_like")
+        args = (x.shape, kw["fill_value"]) if base == "full" else (x.shape,)
+        return globals()[base](*args, dtype=dt, device=device)
+    if dt is not x.dtype:
+        check_dtype(x.device, dt)
     kw["dtype"] = dt.name
     return emit(name, [x], 0, kw, x.shape, dt)
 
@@ -145,3 +188,34 @@ def empty_like(x: RemoteArray, /, *, dtype: Any = None, device: Any = None) -> R
 def full_like(x: RemoteArray, /, fill_value: bool | int | float | complex, *, dtype: Any = None,
               device: Any = None) -> RemoteArray:
     return _like("full_like", x, dtype, device, fill_value=fill_value)
+
+
+def meshgrid(*arrays: RemoteArray, indexing: str = "xy") -> list[RemoteArray]:
+    if indexing not in ("xy", "ij"):
+        raise ValueError(f"meshgrid indexing must be 'xy' or 'ij', got {indexing!r}")
+    if not arrays:
+        return []
+    same_device(*arrays)
+    if len({a.dtype for a in arrays}) > 1:
+        raise ValueError("meshgrid inputs must all have the same dtype")
+    if any(a.ndim != 1 for a in arrays):
+        raise ValueError("meshgrid inputs must be one-dimensional")
+    shape = [a.shape[0] for a in arrays]
+    if indexing == "xy" and len(shape) > 1:
+        shape[0], shape[1] = shape[1], shape[0]
+    spec = (tuple(shape), arrays[0].dtype)
+    return list(emit_multi("meshgrid", list(arrays), {"indexing": indexing}, [spec] * len(arrays)))
+
+
+def _triangle(name: str, x: RemoteArray, k: int) -> RemoteArray:
+    if x.ndim < 2:
+        raise ValueError(f"{name} needs an array of at least 2 dims, got {x.ndim}")
+    return emit(name, [x], 0, {"k": int(k)}, x.shape, x.dtype)
+
+
+def tril(x: RemoteArray, /, *, k: int = 0) -> RemoteArray:
+    return _triangle("tril", x, k)
+
+
+def triu(x: RemoteArray, /, *, k: int = 0) -> RemoteArray:
+    return _triangle("triu", x, k)

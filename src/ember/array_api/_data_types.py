@@ -16,18 +16,24 @@ __all__ = ["astype", "can_cast", "finfo", "iinfo", "isdtype", "result_type"]
 
 
 def astype(x: RemoteArray, dtype: Any, /, *, copy: bool = True, device: Any = None) -> RemoteArray:
+    if type(x) is not RemoteArray:
+        raise TypeError(f"astype expects an ember array, got {type(x).__name__}")
     dt = to_dtype(dtype)
     if device is not None and device is not x.device:
         x = x.to_device(device)
+        copy = False  # the move made a new array already
     if dt is x.dtype and not copy:
         return x
+    if x.dtype.kind == "c" and dt.kind != "c":
+        raise TypeError(f"casting {x.dtype} to {dt} is not permitted by the standard; take real() or abs() first")
     check_dtype(x.device, dt)
     return emit("astype", [x], 0, {"dtype": dt.name}, x.shape, dt)
 
 
 def can_cast(from_: DType | RemoteArray, to: DType, /) -> bool:
     f = from_.dtype if isinstance(from_, RemoteArray) else to_dtype(from_)
-    return d.PROMOTION.get((f, to_dtype(to))) is to_dtype(to)
+    t = to_dtype(to)
+    return d.PROMOTION.get((f, t)) is t
 
 
 @dataclass(frozen=True)
@@ -82,14 +88,17 @@ def isdtype(dtype: DType, kind: Any) -> bool:
 
 
 def result_type(*arrays_and_dtypes: Any) -> DType:
-    dts = [a.dtype if isinstance(a, RemoteArray) else to_dtype(a) for a in arrays_and_dtypes
-           if not isinstance(a, (bool, int, float, complex))]
-    scalars = [a for a in arrays_and_dtypes if isinstance(a, (bool, int, float, complex))]
-    if not dts:
+    """Promote arrays, dtypes and (since 2024.12) Python scalars; at least one array or dtype."""
+    out: DType | None = None
+    scalars = []
+    for a in arrays_and_dtypes:
+        if type(a) in (bool, int, float, complex):
+            scalars.append(a)
+            continue
+        t = a.dtype if isinstance(a, RemoteArray) else to_dtype(a)
+        out = t if out is None else d.promote(out, t)
+    if out is None:
         raise ValueError("result_type needs at least one array or dtype")
-    out = dts[0]
-    for t in dts[1:]:
-        out = d.promote(out, t)
-    for s in scalars:
-        d.scalar_ok(out, s)
+    for sc in scalars:
+        out = d.scalar_ok(out, sc)
     return out

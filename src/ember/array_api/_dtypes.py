@@ -89,14 +89,24 @@ def promote(a: DType, b: DType) -> DType:
 
 
 def scalar_ok(dt: DType, value: Any) -> DType:
-    """Check a Python scalar may combine with an array of dtype ``dt``; return ``dt``."""
+    """Check a Python scalar may combine with an array of dtype ``dt``; return the result dtype.
+
+    The standard's rules: bool with bool arrays, int with numeric arrays (within an integer
+    dtype's range), float with floating arrays, complex with floating arrays (a real array
+    becomes complex).
+    """
     t = type(value)
     k = dt.kind
     if t is float:
         if k in "fc":
             return dt
     elif t is int:
-        if k != "b":
+        if k in "fc":
+            return dt
+        if k in "iu":
+            lo, hi = INT_RANGE[dt]
+            if not lo <= value <= hi:
+                raise OverflowError(f"Python int {value} is out of range for {dt}")
             return dt
     elif t is builtins_bool:
         if k == "b":
@@ -104,10 +114,15 @@ def scalar_ok(dt: DType, value: Any) -> DType:
     elif t is complex:
         if k == "c":
             return dt
+        if k == "f":
+            return complex64 if dt is float32 else complex128
     else:
         raise TypeError(f"unsupported operand type {t.__name__} for an array of {dt}")
     raise TypeError(f"a Python {t.__name__} cannot be combined with an array of {dt} under the Array API "
                     f"standard; use an array of the intended dtype or astype first")
+
+
+INT_RANGE = {d: (int(np.iinfo(d.np).min), int(np.iinfo(d.np).max)) for d in ALL if d.kind in "iu"}
 
 
 import builtins  # noqa: E402

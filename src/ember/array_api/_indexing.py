@@ -1,76 +1,168 @@
-"""``x[key]`` and ``x[key] = v``: basic slicing, integer arrays and boolean masks."""
+"""``x[key]``, ``x[key] = v``, ``take`` and ``take_along_axis``.
+
+Result shapes are computed here for basic indexing and for integer-array indexing
+whose array indices sit next to each other (NumPy's rule, the standard's case). A
+boolean mask, or arrays mixed with ``None`` or split by slices, make the shape
+depend on data or on backend conventions: those cost one round trip to learn it.
+"""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from . import _dtypes as d
-from ._array import RemoteArray, emit, emit_dynamic, same_device
+from ._array import RemoteArray, broadcast_shapes, emit, emit_dynamic, same_device
 from ..protocol import codec
 
+__all__ = ["take", "take_along_axis"]
 
-def _basic_shape(shape: tuple[int, ...], key: tuple[Any, ...]) -> tuple[int, ...] | None:
-    """Result shape of basic indexing; None when arrays make it not basic."""
-    if any(isinstance(k, RemoteArray) for k in key):
-        return None
-    n_real = sum(1 for k in key if k is not None and k is not Ellipsis)
-    if n_real > len(shape):
-        raise IndexError(f"too many indices ({n_real}) for an array of {len(shape)} dims")
-    if sum(1 for k in key if k is Ellipsis) > 1:
-        raise IndexError("an index can only have a single ellipsis")
-    if Ellipsis not in key:
-        key = key + (Ellipsis,)
-    out: list[int] = []
-    dim = 0
-    for k in key:
-        if k is Ellipsis:
-            take = len(shape) - n_real
-            out.extend(shape[dim:dim + take])
-            dim += take
-        elif k is None:
-            out.append(1)
-        elif isinstance(k, slice):
-            out.append(len(range(*k.indices(shape[dim]))))
-            dim += 1
-        elif isinstance(k, int) and not isinstance(k, bool):
-            if not -shape[dim] <= k < shape[dim]:
-                raise IndexError(f"index {k} is out of bounds for axis {dim} with size {shape[dim]}")
-            dim += 1
-        else:
+
+def _items(key: Any) -> tuple[Any, ...]:
+    """The key as a tuple of ints, slices, None, Ellipsis and ember arrays."""
+    tkey = key if type(key) is tuple else (key,)
+    out = []
+    for k in tkey:
+        if k is None or k is Ellipsis or type(k) is slice or type(k) is RemoteArray or type(k) is int:
+            out.append(k)
+        elif isinstance(k, bool) or not hasattr(k, "__index__"):
             raise IndexError(f"unsupported index {k!r}: use ints, slices, None, ..., or ember arrays")
+        else:
+            out.append(operator.index(k))
     return tuple(out)
 
 
+def _consumed(k: Any) -> int:
+    if k is None or k is Ellipsis:
+        return 0
+    if type(k) is RemoteArray and k.dtype is d.bool:
+        return k.ndim
+    return 1
+
+
+def _expand(shape: tuple[int, ...], key: tuple[Any, ...]) -> list[Any]:
+    """Replace the ellipsis (explicit or implied at the end) by full slices; check the dim count."""
+    n_ell = sum(1 for k in key if k is Ellipsis)
+    if n_ell > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    used = sum(_consumed(k) for k in key)
+    if used > len(shape):
+        raise IndexError(f"too many indices for an array of {len(shape)} dims: the index uses {used}")
+    fill = [slice(None)] * (len(shape) - used)
+    if not n_ell:
+        return list(key) + fill
+    i = key.index(Ellipsis)
+    return list(key[:i]) + fill + list(key[i + 1:])
+
+
+def _index_shape(shape: tuple[int, ...], items: list[Any]) -> tuple[int, ...] | None:
+    """Result shape of ``x[items]``; None when it must be learnt from the peer."""
+    out: list[Any] = []
+    adv: list[tuple[int, ...]] = []   # shapes of the advanced indices (arrays, and ints next to arrays)
+    adv_at: list[int] = []            # their positions in ``out``
+    has_array = any(type(k) is RemoteArray for k in items)
+    dim = 0
+    for k in items:
+        if k is None:
+            if has_array:
+                return None
+            out.append(1)
+            continue
+        if type(k) is RemoteArray:
+            if k.dtype is d.bool:
+                if k.shape != shape[dim:dim + k.ndim]:
+                    raise IndexError(f"boolean index of shape {k.shape} does not match the indexed dims "
+                                     f"{shape[dim:dim + k.ndim]}")
+                return None
+            if k.dtype not in d.INTEGER:
+                raise IndexError(f"array indices must be integer or bool, got {k.dtype}")
+            adv.append(k.shape)
+            adv_at.append(len(out))
+        elif type(k) is slice:
+            out.append(len(range(*k.indices(shape[dim]))))
+        else:
+            n = shape[dim]
+            if not -n <= k < n:
+                raise IndexError(f"index {k} is out of bounds for axis {dim} with size {n}")
+            if has_array:
+                adv.append(())
+                adv_at.append(len(out))
+        dim += 1
+    if not adv:
+        return tuple(out)
+    if adv_at[-1] != adv_at[0]:
+        return None  # advanced indices split by slices: the layout is a backend convention
+    at = adv_at[0]
+    return tuple(out[:at]) + broadcast_shapes(*adv) + tuple(out[at:])
+
+
 def getitem(x: RemoteArray, key: Any) -> RemoteArray:
-    tkey = key if isinstance(key, tuple) else (key,)
-    extra: list[int] = []
-    enc = codec.encode_key(key, extra, RemoteArray)
-    arrays = [k for k in tkey if isinstance(k, RemoteArray)]
+    items = _items(key)
+    arrays = [k for k in items if type(k) is RemoteArray]
     if arrays:
         same_device(x, *arrays)
-    shape = _basic_shape(x.shape, tkey)
-    if shape is not None:
-        return emit("getitem", [x], 0, {"key": enc}, shape, x.dtype)
-    args = [x, *arrays]
-    if any(a.dtype is d.bool for a in arrays):
-        return emit_dynamic("getitem", args, {"key": enc}, x.dtype)
-    if len(arrays) == 1 and len(tkey) == 1 and arrays[0].dtype in d.INTEGER:
-        return emit("getitem", args, 0, {"key": enc}, arrays[0].shape + x.shape[1:], x.dtype)
-    return emit_dynamic("getitem", args, {"key": enc}, x.dtype)
+    shape = _index_shape(x.shape, _expand(x.shape, items))
+    extra: list[int] = []
+    enc = codec.encode_key(items, extra, RemoteArray)
+    if shape is None:
+        return emit_dynamic("getitem", [x, *arrays], {"key": enc}, x.dtype)
+    return emit("getitem", [x, *arrays], 0, {"key": enc}, shape, x.dtype)
 
 
 def setitem(x: RemoteArray, key: Any, value: Any) -> None:
-    tkey = key if isinstance(key, tuple) else (key,)
-    extra: list[int] = []
-    enc = codec.encode_key(key, extra, RemoteArray)
-    arrays = [k for k in tkey if isinstance(k, RemoteArray)]
-    if isinstance(value, RemoteArray):
+    items = _items(key)
+    arrays = [k for k in items if type(k) is RemoteArray]
+    target = _index_shape(x.shape, _expand(x.shape, items))
+    if type(value) is RemoteArray:
         same_device(x, value, *arrays)
         if d.PROMOTION.get((value.dtype, x.dtype)) is not x.dtype:
             raise TypeError(f"cannot assign {value.dtype} values into a {x.dtype} array")
+        if target is not None and broadcast_shapes(value.shape, target) != target:
+            raise ValueError(f"cannot assign an array of shape {value.shape} to a selection of shape {target}")
         smask = 0
     else:
-        d.scalar_ok(x.dtype, value)
+        if arrays:
+            same_device(x, *arrays)
+        if d.scalar_ok(x.dtype, value) is not x.dtype:
+            raise TypeError(f"cannot assign a Python {type(value).__name__} into a {x.dtype} array")
         smask = 2
+    extra: list[int] = []
+    enc = codec.encode_key(items, extra, RemoteArray)
     new = emit("setitem", [x, value, *arrays], smask, {"key": enc}, x.shape, x.dtype)
     x._adopt(new)
+
+
+def take(x: RemoteArray, indices: RemoteArray, /, *, axis: int | None = None) -> RemoteArray:
+    if type(x) is not RemoteArray or type(indices) is not RemoteArray:
+        raise TypeError("take expects ember arrays")
+    same_device(x, indices)
+    if indices.dtype not in d.INTEGER:
+        raise TypeError(f"take: indices must have an integer dtype, got {indices.dtype}")
+    if indices.ndim != 1:
+        raise ValueError(f"take: indices must be one-dimensional, got {indices.ndim} dims")
+    if axis is None:
+        if x.ndim != 1:
+            raise ValueError("take: axis is required for arrays of more than one dim")
+        axis = 0
+    if not -x.ndim <= axis < max(x.ndim, 1):
+        raise IndexError(f"take: axis {axis} is out of bounds for {x.ndim} dims")
+    a = axis % x.ndim
+    shape = x.shape[:a] + indices.shape + x.shape[a + 1:]
+    return emit("take", [x, indices], 0, {"axis": a}, shape, x.dtype)
+
+
+def take_along_axis(x: RemoteArray, indices: RemoteArray, /, *, axis: int = -1) -> RemoteArray:
+    if type(x) is not RemoteArray or type(indices) is not RemoteArray:
+        raise TypeError("take_along_axis expects ember arrays")
+    same_device(x, indices)
+    if indices.dtype not in d.INTEGER:
+        raise TypeError(f"take_along_axis: indices must have an integer dtype, got {indices.dtype}")
+    if indices.ndim != x.ndim or x.ndim == 0:
+        raise ValueError(f"take_along_axis: x and indices need the same number (>= 1) of dims, "
+                         f"got {x.ndim} and {indices.ndim}")
+    if not -x.ndim <= axis < x.ndim:
+        raise IndexError(f"take_along_axis: axis {axis} is out of bounds for {x.ndim} dims")
+    a = axis % x.ndim
+    rest = broadcast_shapes(x.shape[:a] + x.shape[a + 1:], indices.shape[:a] + indices.shape[a + 1:])
+    shape = rest[:a] + (indices.shape[a],) + rest[a:]
+    return emit("take_along_axis", [x, indices], 0, {"axis": a}, shape, x.dtype)

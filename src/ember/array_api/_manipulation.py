@@ -1,4 +1,4 @@
-"""Shape manipulation: reshape, permute_dims, expand_dims, squeeze, concat, stack, flip."""
+"""Manipulation functions: shapes computed here, one op each."""
 
 from __future__ import annotations
 
@@ -6,52 +6,17 @@ import math
 from typing import Any, Sequence
 
 from . import _dtypes as d
-from ._array import RemoteArray, emit, same_device
+from ._array import RemoteArray, broadcast_shapes, emit, emit_dynamic, emit_multi, same_device
 from ._statistical import normalize_axis
 
-__all__ = ["reshape", "permute_dims", "expand_dims", "squeeze", "concat", "stack", "flip"]
+__all__ = ["broadcast_arrays", "broadcast_shapes", "broadcast_to", "concat", "expand_dims", "flip", "moveaxis",
+           "permute_dims", "repeat", "reshape", "roll", "squeeze", "stack", "tile", "unstack"]
 
 
-def reshape(x: RemoteArray, /, shape: Sequence[int], *, copy: bool | None = None) -> RemoteArray:
-    shape = tuple(int(n) for n in shape)
-    if shape.count(-1) > 1:
-        raise ValueError("reshape: at most one -1 in the new shape")
-    known = math.prod(n for n in shape if n != -1)
-    if -1 in shape:
-        if known == 0 or x.size % known:
-            raise ValueError(f"cannot reshape an array of size {x.size} into shape {shape}")
-        shape = tuple(x.size // known if n == -1 else n for n in shape)
-    elif known != x.size:
-        raise ValueError(f"cannot reshape an array of size {x.size} into shape {shape}")
-    kw: dict[str, Any] = {"shape": list(shape)}
-    if copy is not None:
-        kw["copy"] = copy
-    return emit("reshape", [x], 0, kw, shape, x.dtype)
-
-
-def permute_dims(x: RemoteArray, /, axes: Sequence[int]) -> RemoteArray:
-    axes = normalize_axis(tuple(axes), x.ndim)
-    if len(axes) != x.ndim:
-        raise ValueError(f"permute_dims needs {x.ndim} axes, got {len(axes)}")
-    return emit("permute_dims", [x], 0, {"axes": list(axes)}, tuple(x.shape[a] for a in axes), x.dtype)
-
-
-def expand_dims(x: RemoteArray, /, axis: int = 0) -> RemoteArray:
-    n = x.ndim + 1
-    if not -n <= axis < n:
-        raise IndexError(f"expand_dims axis {axis} out of range for {x.ndim} dims")
-    a = axis % n
-    shape = x.shape[:a] + (1,) + x.shape[a:]
-    return emit("expand_dims", [x], 0, {"axis": a}, shape, x.dtype)
-
-
-def squeeze(x: RemoteArray, /, axis: int | tuple[int, ...]) -> RemoteArray:
-    axes = normalize_axis(axis, x.ndim)
-    for a in axes:
-        if x.shape[a] != 1:
-            raise ValueError(f"cannot squeeze axis {a} of size {x.shape[a]}")
-    shape = tuple(n for i, n in enumerate(x.shape) if i not in axes)
-    return emit("squeeze", [x], 0, {"axis": list(axes)}, shape, x.dtype)
+def _arr(name: str, x: Any) -> RemoteArray:
+    if type(x) is not RemoteArray:
+        raise TypeError(f"{name} expects an ember array, got {type(x).__name__}")
+    return x
 
 
 def _promote_all(arrays: Sequence[RemoteArray]) -> d.DType:
@@ -61,8 +26,79 @@ def _promote_all(arrays: Sequence[RemoteArray]) -> d.DType:
     return dt
 
 
+def broadcast_arrays(*arrays: RemoteArray) -> list[RemoteArray]:
+    if not arrays:
+        return []
+    same_device(*arrays)
+    shape = broadcast_shapes(*(a.shape for a in arrays))
+    return list(emit_multi("broadcast_arrays", list(arrays), None, [(shape, a.dtype) for a in arrays]))
+
+
+def broadcast_to(x: RemoteArray, /, shape: Sequence[int]) -> RemoteArray:
+    shape = tuple(int(n) for n in shape)
+    if len(shape) < _arr("broadcast_to", x).ndim or broadcast_shapes(x.shape, shape) != shape:
+        raise ValueError(f"cannot broadcast an array of shape {x.shape} to {shape}")
+    return emit("broadcast_to", [x], 0, {"shape": list(shape)}, shape, x.dtype)
+
+
+def reshape(x: RemoteArray, /, shape: Sequence[int], *, copy: bool | None = None) -> RemoteArray:
+    shape = tuple(int(n) for n in shape)
+    size = _arr("reshape", x).size
+    if shape.count(-1) > 1:
+        raise ValueError("reshape: at most one -1 in the new shape")
+    known = math.prod(n for n in shape if n != -1)
+    if -1 in shape:
+        if known == 0 or size % known:
+            raise ValueError(f"cannot reshape an array of size {size} into shape {shape}")
+        shape = tuple(size // known if n == -1 else n for n in shape)
+    elif known != size or any(n < 0 for n in shape):
+        raise ValueError(f"cannot reshape an array of size {size} into shape {shape}")
+    kw: dict[str, Any] = {"shape": list(shape)}
+    if copy:
+        kw["copy"] = True
+    return emit("reshape", [x], 0, kw, shape, x.dtype)
+
+
+def permute_dims(x: RemoteArray, /, axes: Sequence[int]) -> RemoteArray:
+    axes = normalize_axis(tuple(axes), _arr("permute_dims", x).ndim)
+    if len(axes) != x.ndim:
+        raise ValueError(f"permute_dims needs {x.ndim} axes, got {len(axes)}")
+    return emit("permute_dims", [x], 0, {"axes": list(axes)}, tuple(x.shape[a] for a in axes), x.dtype)
+
+
+def moveaxis(x: RemoteArray, source: int | Sequence[int], destination: int | Sequence[int], /) -> RemoteArray:
+    src = normalize_axis(source, _arr("moveaxis", x).ndim)
+    dst = normalize_axis(destination, x.ndim)
+    if len(src) != len(dst):
+        raise ValueError("moveaxis: source and destination need the same number of axes")
+    order = [a for a in range(x.ndim) if a not in src]
+    for s_, t in sorted(zip(dst, src)):
+        order.insert(s_, t)
+    return emit("permute_dims", [x], 0, {"axes": order}, tuple(x.shape[a] for a in order), x.dtype)
+
+
+def expand_dims(x: RemoteArray, /, axis: int = 0) -> RemoteArray:
+    n = _arr("expand_dims", x).ndim + 1
+    if not -n <= axis < n:
+        raise IndexError(f"expand_dims axis {axis} out of range for {x.ndim} dims")
+    a = axis % n
+    shape = x.shape[:a] + (1,) + x.shape[a:]
+    return emit("expand_dims", [x], 0, {"axis": a}, shape, x.dtype)
+
+
+def squeeze(x: RemoteArray, /, axis: int | tuple[int, ...]) -> RemoteArray:
+    if axis is None:
+        raise ValueError("squeeze needs an explicit axis")
+    axes = normalize_axis(axis, _arr("squeeze", x).ndim)
+    for a in axes:
+        if x.shape[a] != 1:
+            raise ValueError(f"cannot squeeze axis {a} of size {x.shape[a]}")
+    shape = tuple(n for i, n in enumerate(x.shape) if i not in axes)
+    return emit("squeeze", [x], 0, {"axis": list(axes)}, shape, x.dtype)
+
+
 def concat(arrays: Sequence[RemoteArray], /, *, axis: int | None = 0) -> RemoteArray:
-    arrays = list(arrays)
+    arrays = [_arr("concat", a) for a in arrays]
     if not arrays:
         raise ValueError("concat needs at least one array")
     same_device(*arrays)
@@ -76,11 +112,12 @@ def concat(arrays: Sequence[RemoteArray], /, *, axis: int | None = 0) -> RemoteA
             if a.ndim != nd or any(a.shape[i] != arrays[0].shape[i] for i in range(nd) if i != ax):
                 raise ValueError(f"concat: shapes {[x.shape for x in arrays]} differ off axis {axis}")
         shape = tuple(sum(a.shape[ax] for a in arrays) if i == ax else n for i, n in enumerate(arrays[0].shape))
+        axis = ax
     return emit("concat", arrays, 0, {"axis": axis}, shape, dt)
 
 
 def stack(arrays: Sequence[RemoteArray], /, *, axis: int = 0) -> RemoteArray:
-    arrays = list(arrays)
+    arrays = [_arr("stack", a) for a in arrays]
     if not arrays:
         raise ValueError("stack needs at least one array")
     same_device(*arrays)
@@ -95,5 +132,57 @@ def stack(arrays: Sequence[RemoteArray], /, *, axis: int = 0) -> RemoteArray:
 
 
 def flip(x: RemoteArray, /, *, axis: int | tuple[int, ...] | None = None) -> RemoteArray:
-    axes = normalize_axis(axis, x.ndim)
-    return emit("flip", [x], 0, {"axis": list(axes) if axis is not None else None}, x.shape, x.dtype)
+    axes = normalize_axis(axis, _arr("flip", x).ndim)
+    return emit("flip", [x], 0, {"axis": list(axes)}, x.shape, x.dtype)
+
+
+def roll(x: RemoteArray, /, shift: int | tuple[int, ...], *, axis: int | tuple[int, ...] | None = None) -> RemoteArray:
+    _arr("roll", x)
+    if isinstance(shift, int):
+        shifts: Any = shift
+    else:
+        shifts = [int(s) for s in shift]
+    axes = None if axis is None else list(normalize_axis(axis, x.ndim))
+    if isinstance(shifts, list) and (axes is None or len(axes) != len(shifts)):
+        raise ValueError("roll: shift and axis need the same length")
+    return emit("roll", [x], 0, {"shift": shifts, "axis": axes}, x.shape, x.dtype)
+
+
+def repeat(x: RemoteArray, repeats: int | RemoteArray, /, *, axis: int | None = None) -> RemoteArray:
+    _arr("repeat", x)
+    a = None if axis is None else normalize_axis(axis, x.ndim)[0]
+    if type(repeats) is RemoteArray:
+        same_device(x, repeats)
+        if repeats.dtype not in d.INTEGER:
+            raise TypeError(f"repeat: repeats must have an integer dtype, got {repeats.dtype}")
+        if repeats.ndim > 1:
+            raise ValueError("repeat: repeats must be 0-d or 1-d")
+        return emit_dynamic("repeat", [x, repeats], {"axis": a}, x.dtype)
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 0:
+        raise TypeError(f"repeat: repeats must be a non-negative int or an integer array, got {repeats!r}")
+    if a is None:
+        shape: tuple[int, ...] = (x.size * repeats,)
+    else:
+        shape = tuple(n * repeats if i == a else n for i, n in enumerate(x.shape))
+    return emit("repeat", [x, repeats], 2, {"axis": a}, shape, x.dtype)
+
+
+def tile(x: RemoteArray, repetitions: Sequence[int], /) -> RemoteArray:
+    reps = tuple(int(r) for r in repetitions)
+    if any(r < 0 for r in reps):
+        raise ValueError(f"tile: repetitions must be non-negative, got {reps}")
+    n = max(len(reps), _arr("tile", x).ndim)
+    r = (1,) * (n - len(reps)) + reps
+    s = (1,) * (n - x.ndim) + x.shape
+    return emit("tile", [x, list(reps)], 2, None, tuple(a * b for a, b in zip(s, r)), x.dtype)
+
+
+def unstack(x: RemoteArray, /, *, axis: int = 0) -> tuple[RemoteArray, ...]:
+    if not -_arr("unstack", x).ndim <= axis < x.ndim:
+        raise ValueError(f"unstack: axis {axis} out of range for {x.ndim} dims")
+    a = axis % x.ndim
+    n = x.shape[a]
+    if n == 0:
+        return ()
+    spec = (x.shape[:a] + x.shape[a + 1:], x.dtype)
+    return emit_multi("unstack", [x], {"axis": a}, [spec] * n)

@@ -1,26 +1,29 @@
-"""Reductions: sum, prod, mean, min, max, std, var, all, any."""
+"""Statistical functions: reductions and cumulative sums/products."""
 
 from __future__ import annotations
 
-import builtins
 from typing import Any
 
 from . import _dtypes as d
 from ._array import RemoteArray, emit
+from ._device import check_dtype
 from ._dtypes import DType, to_dtype
 
-__all__ = ["sum", "prod", "mean", "min", "max", "std", "var", "all", "any", "normalize_axis", "reduced_shape"]
+__all__ = ["cumulative_prod", "cumulative_sum", "max", "mean", "min", "prod", "std", "sum", "var"]
 
 
 def normalize_axis(axis: int | tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
+    """Axes as non-negative ints (all of them for None); IndexError when out of range."""
     if axis is None:
         return tuple(range(ndim))
     axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    if any(isinstance(a, bool) or not isinstance(a, int) for a in axes):
+        raise TypeError(f"axis must be an int or a tuple of ints, got {axis!r}")
     out = []
     for a in axes:
-        if not -ndim <= a < builtins.max(ndim, 1):
+        if not -ndim <= a < ndim:
             raise IndexError(f"axis {a} is out of bounds for an array of {ndim} dims")
-        out.append(a % ndim if ndim else 0)
+        out.append(a % ndim)
     if len(set(out)) != len(out):
         raise ValueError(f"repeated axis in {axis}")
     return tuple(out)
@@ -33,38 +36,39 @@ def reduced_shape(shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool)
 
 
 def _reduce(name: str, x: RemoteArray, axis: Any, keepdims: bool, dt: DType, **kw: Any) -> RemoteArray:
-    if type(x) is not RemoteArray:
-        raise TypeError(f"{name} expects an ember array, got {type(x).__name__}")
     axes = normalize_axis(axis, x.ndim)
     kwargs: dict[str, Any] = {"axis": list(axes) if axis is not None else None, "keepdims": keepdims, **kw}
     return emit(name, [x], 0, kwargs, reduced_shape(x.shape, axes, keepdims), dt)
 
 
-def _accumulate_dtype(x: RemoteArray, dtype: Any) -> DType:
+def accumulate_dtype(x: RemoteArray, dtype: Any) -> DType:
+    """The standard's result dtype of sum/prod/trace/cumulative_*: integers widen to 64 bits."""
     if dtype is not None:
-        return to_dtype(dtype)
-    k = x.dtype.kind
-    if k == "b" or k == "i":
-        return d.int64
-    if k == "u":
-        return d.uint64
-    return x.dtype
+        dt = to_dtype(dtype)
+    else:
+        k = x.dtype.kind
+        dt = d.int64 if k == "i" else d.uint64 if k == "u" else x.dtype
+    if dt is not x.dtype:
+        check_dtype(x.device, dt)
+    return dt
 
 
 def _numeric(name: str, x: RemoteArray, allowed: frozenset[DType]) -> None:
+    if type(x) is not RemoteArray:
+        raise TypeError(f"{name} expects an ember array, got {type(x).__name__}")
     if x.dtype not in allowed:
         raise TypeError(f"{name} does not accept {x.dtype} inputs")
 
 
 def sum(x: RemoteArray, /, *, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> RemoteArray:
     _numeric("sum", x, d.NUMERIC)
-    dt = _accumulate_dtype(x, dtype)
+    dt = accumulate_dtype(x, dtype)
     return _reduce("sum", x, axis, keepdims, dt, dtype=dt.name)
 
 
 def prod(x: RemoteArray, /, *, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> RemoteArray:
     _numeric("prod", x, d.NUMERIC)
-    dt = _accumulate_dtype(x, dtype)
+    dt = accumulate_dtype(x, dtype)
     return _reduce("prod", x, axis, keepdims, dt, dtype=dt.name)
 
 
@@ -95,9 +99,26 @@ def var(x: RemoteArray, /, *, axis: Any = None, correction: int | float = 0.0,
     return _reduce("var", x, axis, keepdims, x.dtype, correction=correction)
 
 
-def all(x: RemoteArray, /, *, axis: Any = None, keepdims: bool = False) -> RemoteArray:
-    return _reduce("all", x, axis, keepdims, d.bool)
+def _cumulative(name: str, x: RemoteArray, axis: int | None, dtype: Any, include_initial: bool) -> RemoteArray:
+    _numeric(name, x, d.NUMERIC)
+    if x.ndim == 0:
+        raise ValueError(f"{name} needs an array of at least one dim")
+    if axis is None:
+        if x.ndim > 1:
+            raise ValueError(f"{name} needs an axis for arrays of more than one dim")
+        axis = 0
+    a = normalize_axis(axis, x.ndim)[0]
+    dt = accumulate_dtype(x, dtype)
+    shape = tuple(n + 1 if i == a and include_initial else n for i, n in enumerate(x.shape))
+    kw = {"axis": a, "dtype": dt.name, "include_initial": bool(include_initial)}
+    return emit(name, [x], 0, kw, shape, dt)
 
 
-def any(x: RemoteArray, /, *, axis: Any = None, keepdims: bool = False) -> RemoteArray:
-    return _reduce("any", x, axis, keepdims, d.bool)
+def cumulative_sum(x: RemoteArray, /, *, axis: int | None = None, dtype: Any = None,
+                   include_initial: bool = False) -> RemoteArray:
+    return _cumulative("cumulative_sum", x, axis, dtype, include_initial)
+
+
+def cumulative_prod(x: RemoteArray, /, *, axis: int | None = None, dtype: Any = None,
+                    include_initial: bool = False) -> RemoteArray:
+    return _cumulative("cumulative_prod", x, axis, dtype, include_initial)

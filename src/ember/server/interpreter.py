@@ -15,18 +15,24 @@ import numpy as np
 from ..errors import LimitExceeded, ProtocolError, RemoteExecutionError, to_wire
 from ..protocol import codec, ops
 from ..protocol import messages as m
+from .adapters import adapt
 from .backends import Backend
 
 Respond = Callable[[list[list[Any]]], None]
 
 
 def build_table(backend: Backend) -> dict[str, Callable[..., Any]]:
-    """Op name -> callable over the backend, built once per device."""
+    """Op name -> callable over the backend, built once per device.
+
+    Whitelisted names resolve against the backend's Array API namespace; the adapters
+    (``server/adapters.py``) then fix calling conventions and backend gaps so each op
+    returns exactly the shape and dtype the client computed.
+    """
     xp, dev = backend.xp, backend.device
     table: dict[str, Callable[..., Any]] = {}
     for name in ops.ALL - ops.INTERNAL:
         mod, _, fname = name.rpartition(".")
-        fn = getattr(getattr(xp, mod) if mod else xp, fname, None)
+        fn = getattr(getattr(xp, mod, None) if mod else xp, fname, None)
         if fn is None:
             continue
         if name in ops.CREATION:
@@ -43,11 +49,10 @@ def build_table(backend: Backend) -> dict[str, Callable[..., Any]]:
         y[codec.decode_key(key, list(arrays))] = value
         return y
 
-    astype = xp.astype
-    table["astype"] = lambda x, dtype, **k: astype(x, dtype, **k)  # dtype is positional-only there
     table["getitem"] = getitem
     table["setitem"] = setitem
     table["copy"] = lambda x: xp.asarray(x, copy=True)
+    adapt(backend.kind, xp, dev, table)
     return table
 
 
