@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Iterator
 
 import pytest
 
 os.environ.setdefault("EMBER_OFFLINE", "1")  # iroh: no relays, no discovery, ever, in tests
+os.environ.setdefault("EMBER_BIND", "127.0.0.1:0,[::1]:0")         # `ember serve`: loopback only
+os.environ.setdefault("EMBER_CLIENT_BIND", "127.0.0.1:0,[::1]:0")  # client endpoints: loopback only
+os.environ.setdefault("EMBER_KEY", os.path.join(tempfile.mkdtemp(prefix="ember-test-"), "secret.key"))
 
 import ember  # noqa: E402
 from ember.server import Server  # noqa: E402

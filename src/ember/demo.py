@@ -1,4 +1,4 @@
-"""``ember demo``: a compute peer on loopback, a least-squares fit run on it, checked against NumPy."""
+"""``ember demo``: a compute peer on loopback (iroh, offline), a least-squares fit run on it, checked against NumPy."""
 
 from __future__ import annotations
 
@@ -27,8 +27,10 @@ def run(address: str | None = None, *, steps: int = 300, n: int = 512, k: int = 
 
     server = None
     if address is None:
+        from .transport.iroh import configure_client
+        configure_client(offline=True)  # a loopback demo needs no relays and no discovery
         server = Server(["cpu"])
-        server.listen_websocket("127.0.0.1", 0)
+        server.listen_iroh(offline=True, bind=["127.0.0.1:0", "[::1]:0"])
         address = server.start_in_thread()[0]
         out(f"ember demo: started a compute peer at {address}")
     try:

@@ -17,6 +17,19 @@ def _hostport(s: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _iroh_options(p: argparse.ArgumentParser, serve: bool) -> None:
+    p.add_argument("--key", default=None, metavar="PATH",
+                   help="secret key file (default: created or reused at $EMBER_KEY or ~/.config/ember/secret.key)")
+    p.add_argument("--relay", default=None, metavar="default|disabled|URL[,URL]",
+                   help="relay servers for iroh (default: the n0 relays)")
+    p.add_argument("--offline", action="store_true", default=None,
+                   help="no relays, no discovery: direct addresses only (default when EMBER_OFFLINE=1)")
+    p.add_argument("--bind", action="append", default=None, metavar="HOST:PORT",
+                   help="exact UDP address for iroh, one per IP family (repeatable; default $EMBER_BIND or all)")
+    if serve:
+        p.add_argument("--no-iroh", action="store_true", help="do not serve over iroh (WebSocket only)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ember", description="Run array code on remote compute peers.")
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
@@ -29,7 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve WebSocket on HOST:PORT (port 0 picks a free port; repeatable)")
     s.add_argument("--token", default=None, help="require this credential from clients (or EMBER_TOKEN)")
     s.add_argument("--max-sessions", type=int, default=256)
+    _iroh_options(s, serve=True)
     s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+
+    k = sub.add_parser("keygen", help="write a new secret key (mode 0600) and print its peer id")
+    k.add_argument("path", help="where to write the key")
+    k.add_argument("--force", action="store_true", help="replace an existing key (its peer id is lost)")
+    k.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+
+    dr = sub.add_parser("doctor", help="check that this host can serve over iroh")
+    _iroh_options(dr, serve=False)
+    dr.add_argument("--timeout", type=float, default=3.0, help="seconds per network check (default 3)")
+    dr.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
 
     d = sub.add_parser("demo", help="run a small workload on a loopback peer and check it against NumPy")
     d.add_argument("--address", default=None, help="use this peer instead of starting one")
@@ -46,6 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             from .serve import serve
             return serve(args)
+        if args.command == "keygen":
+            from .identity import keygen
+            return keygen(args)
+        if args.command == "doctor":
+            from .identity import doctor
+            return doctor(args)
         if args.command == "demo":
             from ..demo import run
             return 0 if run(args.address, steps=args.steps) else 1

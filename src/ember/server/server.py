@@ -96,6 +96,21 @@ class Server:
         from ..transport.websocket import WebSocketListener
         self.add_listener(WebSocketListener(host, port, max_frame=self.limits["max_frame"], ssl=ssl))
 
+    def listen_iroh(self, *, key: bytes | None = None, relay: Any = "default", offline: bool = False,
+                    bind: Sequence[str] | None = None, **options: Any) -> Any:
+        """Serve over iroh (ALPN ``ember/1``); returns the ``IrohListener``.
+
+        ``key`` (32 bytes, see ``ember.keys``) fixes the peer id; ``offline``
+        means no relays and no discovery; ``bind`` lists exact ``HOST:PORT``
+        addresses. Session and transfer streams both reach :meth:`handle`.
+        """
+        from ..transport.iroh import IrohListener
+        lst = IrohListener(key=key, relay=relay, offline=offline, bind=bind,
+                           max_frame=self.limits["max_frame"] + 65536, transfer_handler=self.handle,
+                           **options)
+        self.add_listener(lst)
+        return lst
+
     def device_info(self) -> list[dict[str, Any]]:
         return [b.info(i) for i, b in enumerate(self.backends)]
 
@@ -130,6 +145,11 @@ class Server:
         for lst in self.listeners:
             await lst.start(self.handle)
             self.addresses.extend(lst.addresses)
+            if self.peer_id is None and getattr(lst, "peer_id", None):
+                self.peer_id = lst.peer_id  # the authenticated iroh identity, sent in Welcome
+        if self.transfer_peer_id is None and any(getattr(lst, "peer_id", None) for lst in self.listeners):
+            from ..transport.iroh import client_peer_id
+            self.transfer_peer_id = await client_peer_id()  # the endpoint downloads dial from
         return self.addresses
 
     async def stop(self) -> None:
@@ -141,6 +161,9 @@ class Server:
                 log.exception("stopping listener")
         for s in list(self.sessions.values()):
             await s.conn.close()
+        if self.transfer_peer_id is not None:
+            from ..transport.iroh import close_client
+            await close_client()
         if self._stopped is not None:
             self._stopped.set()
 

@@ -24,7 +24,7 @@ async def dial(address: str, *, timeout: float, max_frame: int, kind: str = "ses
         return await websocket.dial(address, timeout=timeout, max_frame=max_frame)
     if is_iroh_address(address):
         from . import iroh
-        return await iroh.dial(address, timeout=timeout, kind=kind)
+        return await iroh.dial(address, timeout=timeout, kind=kind, max_frame=max_frame + 65536)
     raise ConnectError(f"cannot tell what kind of address {address!r} is",
                        hint='use "local", "ws://HOST:PORT", or the endpoint… ticket that `ember serve` prints')
 

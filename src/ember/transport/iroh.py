@@ -331,9 +331,10 @@ def configure_client(*, offline: bool | None = None, relay: Any = None,
     """Choose how the process-wide client endpoint binds.
 
     Applies to endpoints bound afterwards (call :func:`close_client` on a loop
-    to rebind there). ``offline=None`` defers to ``EMBER_OFFLINE=1``; ``key``
-    gives the client a stable identity (default: a fresh one per endpoint, or
-    the key file named by ``EMBER_CLIENT_KEY``).
+    to rebind there). ``offline=None`` defers to ``EMBER_OFFLINE=1``; ``bind``
+    defaults to ``EMBER_CLIENT_BIND`` (comma-separated) else all interfaces;
+    ``key`` gives the client a stable identity (default: a fresh one per
+    endpoint, or the key file named by ``EMBER_CLIENT_KEY``).
     """
     if offline is not None:
         _config.offline = offline
@@ -351,6 +352,13 @@ def _client_offline(override: bool | None) -> bool:
     if _config.offline is not None:
         return _config.offline
     return os.environ.get("EMBER_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _client_bind() -> list[str] | None:
+    if _config.bind is not None:
+        return list(_config.bind)
+    env = os.environ.get("EMBER_CLIENT_BIND", "")
+    return [b.strip() for b in env.split(",") if b.strip()] or None
 
 
 def _client_key() -> bytes | None:
@@ -380,7 +388,7 @@ class _ClientState:
                 self.conns.clear()
                 self.endpoint = await bind_endpoint(
                     key=_client_key(), relay=_config.relay, offline=self.offline,
-                    bind=_config.bind, require_relay=False, retries=2)
+                    bind=_client_bind(), require_relay=False, retries=2)
             return self.endpoint
 
     async def connection(self, target: Target) -> Any:

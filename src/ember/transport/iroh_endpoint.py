@@ -50,17 +50,21 @@ _OFFLINE_HINT = "use --offline (direct addresses only), --relay disabled, or you
 
 
 def iroh_message(exc: BaseException) -> str:
-    """iroh's own message for ``exc`` (``str()`` of an ``IrohError`` is empty)."""
+    """iroh's own message for ``exc`` on one line (``str()`` of an ``IrohError`` is empty)."""
     if isinstance(exc, iroh.IrohError):
         try:
-            return exc.message()
+            text = exc.message()
         except Exception:  # noqa: BLE001
-            return repr(exc)
-    text = str(exc) or repr(exc)
-    # Errors raised inside a preset callback arrive as InternalError wrapping
-    # the IrohError's debug form: pull out its message.
-    m = re.search(r'message: \\?"(.*?)\\?"', text)
-    return m.group(1) if m else text
+            text = repr(exc)
+    else:
+        text = str(exc) or repr(exc)
+        # Errors raised inside a preset callback arrive as InternalError wrapping
+        # the IrohError's debug form: pull out its message.
+        m = re.search(r'message: \\?"(.*?)\\?"', text)
+        text = m.group(1) if m else text
+    text = re.sub(r"\s*\([^()]*\.rs:\d+:\d+\)", "", text)  # Rust source locations
+    text = re.sub(r"\s*\n\s*Caused by:\s*", ": ", text)
+    return re.sub(r"\s*\n\s*", "; ", text.strip())
 
 
 @dataclass(frozen=True)
