@@ -5,6 +5,10 @@ is sent until a value is needed (read, sync), the batch passes ``max_batch``
 messages, or the idle timer fires (``idle_flush`` seconds after the first op of
 a batch) so work starts while user code keeps going. Frames are encoded on the
 recording thread and queued in order for the I/O loop's sender.
+
+Op-graph caching (``graphs=True``, see :mod:`ember.client.graph`): a group of
+ops that recurs between two boundaries (reads, uploads...) is held instead of
+queued while it matches the previous such group, and goes out as one REPLAY.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from ..errors import (AuthorizationError, ConnectError, EmberError, ProtocolErro
 from ..protocol import codec
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
+from .graph import Candidate, GraphTable, canon
 
 _sessions: "weakref.WeakSet[ClientSession]" = weakref.WeakSet()
+_OP = m.OP
 
 
 class ReadTimeout(EmberError, TimeoutError):
@@ -50,7 +56,9 @@ class ClientSession:
 
     def __init__(self, conn: FrameConnection, welcome: dict[str, Any], loop: asyncio.AbstractEventLoop, *,
                  address: str, device: int, read_timeout: float = 300.0, idle_flush: float = 0.002,
-                 max_batch: int = 4096, heartbeat_interval: float = 1.0, heartbeat_timeout: float = 5.0) -> None:
+                 max_batch: int = 4096, heartbeat_interval: float = 1.0, heartbeat_timeout: float = 5.0,
+                 graphs: bool = True, graph_min_ops: int = 8, graph_max_ops: int = 1024,
+                 graph_hold: float = 0.02) -> None:
         self.conn = conn
         self.welcome = welcome
         self.loop = loop
@@ -72,7 +80,19 @@ class ClientSession:
         self._waiters: dict[int, _Waiter] = {}
         self._timer_armed = False
         self.lost: EmberError | None = None
-        self.stats = {"ops": 0, "batches": 0, "bytes_sent": 0, "bytes_received": 0, "reads": 0}
+        self.stats = {"ops": 0, "batches": 0, "bytes_sent": 0, "bytes_received": 0, "reads": 0,
+                      "graphs": 0, "replays": 0, "replayed_ops": 0, "graph_resends": 0}
+        # op-graph caching: the current group, held or shadow-captured (None: not capturing)
+        gcap = int(limits.get("graph_cache", 0))
+        self._g_on = bool(graphs) and gcap > 0
+        self._g_min, self._g_max = max(2, graph_min_ops), min(graph_max_ops, max_batch, m.MAX_GRAPH_OPS)
+        self.graph_hold = graph_hold
+        self._grp: list[list[Any]] | None = [] if self._g_on else None
+        self._grp_drops: list[int] = []
+        self._cand: Candidate | None = None
+        self._cands: dict[str, list[Candidate]] = {}  # by first op name, most recent first
+        self._hold_t0 = 0.0
+        self._gtable = GraphTable(gcap)
         self._wake = asyncio.Event()
         self._last_recv = time.monotonic()
         self._tasks = [loop.create_task(self._receiver()), loop.create_task(self._sender()),
@@ -85,14 +105,126 @@ class ClientSession:
         if self.lost is not None:
             raise self._lost_error()
         with self._lock:
+            g = self._grp
+            if msg[0] == _OP:
+                if g is not None:
+                    c = self._cand
+                    if c is not None:  # holding: does the group still follow a candidate?
+                        n = len(g)
+                        if n < c.n and msg[1] == c.names[n] or self._switch_candidate(n, msg[1]):
+                            g.append(msg)
+                            return
+                        self._release_held()
+                    elif not g:  # first op of a group
+                        cl = self._cands.get(msg[1])
+                        if cl:
+                            self._start_hold(cl[0], msg)
+                            return
+                    g.append(msg)
+                    if len(g) > self._g_max:
+                        self._grp = None  # too long to be a graph: stop capturing until the next boundary
+                        self._grp_drops = []
+            elif g is None or g:
+                self._end_group()
             p = self._pending
             p.append(msg)
             n = len(p)
             if n >= self.max_batch:
-                self._flush_locked()
-            elif n == 1 and not self._timer_armed:
+                self._flush_locked(False)
+            elif not self._timer_armed:
                 self._timer_armed = True
                 self.loop.call_soon_threadsafe(self._arm_timer)
+
+    # ---- op-graph caching (under self._lock) -------------------------------------------
+    def _start_hold(self, c: Candidate, msg: list[Any]) -> None:
+        self._cand = c
+        self._grp = [msg]
+        self._hold_t0 = time.monotonic()
+        if not self._timer_armed:  # the hold is bounded by graph_hold (checked by the idle timer)
+            self._timer_armed = True
+            self.loop.call_soon_threadsafe(self._arm_timer)
+
+    def _switch_candidate(self, n: int, name: str) -> bool:
+        """The held ops left the candidate at op ``n``: follow another one with the same first ``n`` ops."""
+        c = self._cand
+        assert c is not None
+        for other in self._cands.get(c.names[0], ()):
+            if other is not c and other.n > n and other.names[n] == name and other.names[:n] == c.names[:n]:
+                self._cand = other
+                return True
+        return False
+
+    def _release_held(self) -> None:
+        """The held group diverged from its candidate (or was held too long): send its ops as they are."""
+        self._cand = None
+        g = self._grp
+        assert g is not None
+        p = self._pending
+        p.extend(g)
+        if len(p) >= self.max_batch:  # (every caller flushes or arms the idle timer next)
+            self._flush_locked(False)
+
+    def _end_group(self) -> None:
+        """A boundary: replay the held group if it matches its candidate, else remember it as one."""
+        if not self._g_on:
+            return
+        g, c, gdrops = self._grp, self._cand, self._grp_drops
+        self._grp, self._cand, self._grp_drops = [], None, []
+        if not g:
+            return
+        if len(g) < self._g_min:
+            if c is not None:
+                self._pending.extend(g)
+            return
+        dropped = set(gdrops)
+        dropped.update(self._drops)
+        first = g[0][1]
+        cl = self._cands.get(first)
+        if c is not None:
+            k = canon(g, dropped) if len(g) == c.n else None
+            if k is not None and cl:
+                for i, cand in enumerate(cl):  # same ops, maybe another aliasing or release pattern
+                    if cand.n == c.n and cand.key() == k.key and self._queue_replay(cand, k):
+                        if i:
+                            cl.insert(0, cl.pop(i))
+                        return
+            self._pending.extend(g)
+        if cl is None:
+            cands = self._cands
+            if len(cands) >= 64:
+                cands.pop(next(iter(cands)))
+            cl = cands[first] = []
+        cl.insert(0, Candidate(g, dropped))
+        if len(cl) > 4:
+            cl.pop()
+
+    def _queue_replay(self, c: Candidate, k: Any) -> bool:
+        table = self._gtable
+        e = c.entry
+        if e is None:
+            e = c.entry = table.entry_for(k)
+            if e is None:  # id collision with another body: this group is not cached
+                return False
+        table.touch(e)
+        p = self._pending
+        if table.needs_register(e.gid):
+            p.append(e.wire)
+            self.stats["graphs"] += 1
+        p.append([m.REPLAY, e.gid, k.inputs, k.kept_ids, e.overrides(k.scalars)])
+        self.stats["replays"] += 1
+        self.stats["replayed_ops"] += c.n
+        elide = k.elide
+        if elide:  # temporaries never exist on the peer; consumed inputs are dropped by the replay
+            drops = self._drops
+            ids = []
+            while drops:
+                ids.append(drops.popleft())
+            rest = [i for i in ids if i not in elide]
+            if rest:
+                p.append([m.DROP, rest])
+        if len(p) >= self.max_batch:  # (every caller flushes or arms the idle timer next)
+            self._flush_locked(False)
+        return True
 
     def release(self, tid: int) -> None:
         """The user dropped an array: free it on the peer with the next batch (called from __del__)."""
@@ -102,7 +234,12 @@ class ClientSession:
         with self._lock:
             self._flush_locked()
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self, boundary: bool = True) -> None:
+        """Encode and queue the pending batch. ``boundary``: also end the current op group."""
+        if boundary:
+            g = self._grp
+            if g is None or g:
+                self._end_group()
         p = self._pending
         drops = self._drops
         if drops:
@@ -110,6 +247,8 @@ class ClientSession:
             while drops:
                 ids.append(drops.popleft())
             p.append([m.DROP, ids])
+            if self._grp:  # capturing: the group's analysis needs to know what was released
+                self._grp_drops.extend(ids)
         if not p:
             return
         frame = codec.packb(p)
@@ -158,8 +297,11 @@ class ClientSession:
         w = _Waiter()
         self._waiters[req] = w
         with self._lock:
+            g = self._grp
+            if g is None or g:
+                self._end_group()
             self._pending.append([kind, req, *fields])
-            self._flush_locked()
+            self._flush_locked(False)
         t = self.read_timeout if timeout is None else timeout
         if not w.event.wait(t):
             self._waiters.pop(req, None)
@@ -184,8 +326,9 @@ class ClientSession:
             return
         try:
             with self._lock:
-                self._pending.append([m.CLOSE])
                 self._flush_locked()
+                self._pending.append([m.CLOSE])
+                self._flush_locked(False)
         except RuntimeError:  # loop already gone (interpreter exit)
             pass
         self._fail_all(SessionLost("session closed by this client"))
@@ -197,8 +340,14 @@ class ClientSession:
     def _idle_flush(self) -> None:
         with self._lock:
             self._timer_armed = False
+            if self._cand is not None:  # holding a group that may be replayed
+                if time.monotonic() - self._hold_t0 < self.graph_hold:
+                    self._timer_armed = True
+                    self.loop.call_later(self.idle_flush, self._idle_flush)
+                    return
+                self._release_held()
             if self._pending or self._drops:
-                self._flush_locked()
+                self._flush_locked(False)
 
     async def _sender(self) -> None:
         frames, wake, conn = self._frames, self._wake, self.conn
@@ -233,8 +382,12 @@ class ClientSession:
                 self._last_recv = time.monotonic()
                 self.stats["bytes_received"] += len(frame)
                 for req, status, payload in codec.decode_responses(frame, self.max_frame + 4096):
-                    if req == 0 and status == m.ERROR:
-                        raise from_wire(payload)
+                    if req == 0:
+                        if status == m.ERROR:
+                            raise from_wire(payload)
+                        if status == m.NEED_GRAPH:
+                            self._resend_graph(payload)
+                            continue
                     w = waiters.get(req)
                     if w is None:
                         continue  # a heartbeat answer, or a request that timed out
@@ -260,6 +413,18 @@ class ClientSession:
             self._fail_all(e if isinstance(e, (SessionLost, ProtocolError)) else SessionLost(e.message))
         except (ConnectionError, OSError) as e:
             self._fail_all(SessionLost(f"connection to {self.address} lost: {e}"))
+
+    def _resend_graph(self, gid: Any) -> None:
+        """The peer's cache lost a graph a REPLAY named; it holds the session until it has it again."""
+        wire = self._gtable.wire(gid) if isinstance(gid, int) else None
+        if wire is None:
+            raise ProtocolError(f"the peer asked for graph {gid!r}, which this client never registered")
+        frame = codec.packb([wire])
+        with self._lock:
+            self.stats["graph_resends"] += 1
+            self.stats["bytes_sent"] += len(frame)
+            self._frames.append(frame)
+        self._wake.set()
 
     async def _heartbeat(self) -> None:
         try:

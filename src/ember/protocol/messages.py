@@ -19,8 +19,8 @@ Client → server messages (positions after the kind)::
     CLOSE
     PING    req                                 answered by the network loop
     SHAPE   req, id                             shape of a data-dependent output
-    GRAPH   graph_id, body                      register a recurring op group
-    REPLAY  graph_id, bindings                  run a registered group
+    GRAPH   gid, n_in, scalars, body, kept, consumed    register a recurring op group
+    REPLAY  gid, inputs, outs, scalar_overrides         run a registered group
     EXPOSE  req, id, target_peer, downloads, ttl    (tensor movement)
     FETCH   id, source, capability, dtype, shape
     MOVE    id, dst_device, dst_session, dst_id     same-peer move
@@ -29,6 +29,20 @@ Server → client responses: ``[req, status, payload]`` with status OK,
 ERROR (payload ``{kind, message, op}``) or CHUNK (part of a large read:
 ``[offset, data, total]``; the final OK carries ``[dtype, shape, offset, data,
 total]``). ``req == 0`` with ERROR is a session-level error (the session ends).
+``[0, NEED_GRAPH, gid]``: a REPLAY named a graph this session's cache does not
+hold; the server holds that REPLAY and everything after it until a GRAPH with
+that gid arrives (see ``ember.client.graph`` for the graph protocol).
+
+Graphs (op-graph caching). A GRAPH body is a register program: registers
+``0..n_in-1`` are the REPLAY's input tensors, the next ``len(scalars)`` are
+scalars (defaults from the GRAPH, overridden per REPLAY by the flat list
+``[index, value, ...]``), then one register per op output in order. ``body``
+is ``[[name, arg_registers, n_outs, kwargs], ...]``; ``kept`` lists the output
+registers bound, in order, to the REPLAY's ``outs`` ids (the others are
+temporaries that never get an id); ``outs`` may instead be one int ``first``:
+output register ``r`` then gets id ``first + r - n_in - len(scalars)`` (the
+client allocated the step's ids in order). ``consumed`` lists input positions
+dropped after the replay. ``gid`` is a 63-bit hash of the body without scalar values.
 """
 
 from __future__ import annotations
@@ -42,7 +56,7 @@ KIND_NAMES = ("Op", "Upload", "Drop", "Read", "Sync", "Custom", "Close", "Ping",
               "Graph", "Replay", "Expose", "Fetch", "Move")
 
 # response status
-OK, ERROR, CHUNK = 0, 1, 2
+OK, ERROR, CHUNK, NEED_GRAPH = 0, 1, 2, 3
 
 # handshake reject codes
 REJECT_VERSION = "version"
@@ -53,6 +67,10 @@ REJECT_PROTOCOL = "protocol"
 
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 DEFAULT_CHUNK = 16 * 1024 * 1024
+DEFAULT_GRAPH_CACHE = 256
+"""Graphs a session's cache holds (LRU) unless the server says otherwise."""
+MAX_GRAPH_OPS = 65536
+"""Ops in one registered graph, at most (checked by the server)."""
 
 # Slice / None / Ellipsis inside an index key (see encode_key in codec).
 KEY_SLICE, KEY_NONE, KEY_ELLIPSIS, KEY_ARRAY = "s", "n", "e", "a"

@@ -17,6 +17,7 @@ from ..protocol import codec, ops
 from ..protocol import messages as m
 from .adapters import adapt
 from .backends import Backend
+from .graph_cache import GraphCache, compile_graph
 
 Respond = Callable[[list[list[Any]]], None]
 
@@ -69,6 +70,27 @@ class Poison:
         self.error = error
 
 
+class _Missing:
+    """A replay input id the session does not hold (in a replay's register file)."""
+
+    __slots__ = ("tid",)
+
+    def __init__(self, tid: Any) -> None:
+        self.tid = tid
+
+
+class NeedGraph(Exception):
+    """A REPLAY named a graph the cache does not hold."""
+
+    def __init__(self, gid: Any) -> None:
+        super().__init__(gid)
+        self.gid = gid
+
+
+#: Messages a stalled session (waiting for a GRAPH it asked for) holds, at most.
+MAX_STALLED = 1 << 20
+
+
 def _describe(vals: list[Any]) -> str:
     parts = []
     for v in vals:
@@ -93,8 +115,11 @@ class Interpreter:
         self._uploads: dict[int, tuple[bytearray, str, list[int]]] = {}
         self.handlers: tuple[Callable[[list[Any], list[list[Any]]], None] | None, ...] = (
             self.op, self.upload, self.drop, self.read, self.sync, self.custom, self.close, self.sync,
-            self.shape, None, None, None, None, None)
+            self.shape, self.graph, self.replay, None, None, None)
         self.ops_run = 0
+        self.graphs = GraphCache(int(limits.get("graph_cache", m.DEFAULT_GRAPH_CACHE)))
+        self._stalled: list[list[Any]] | None = None  # REPLAY of an unknown graph + everything after it
+        self._stall_gid: Any = None
 
     def enable_transfers(self, ops: Any) -> None:
         """Route EXPOSE / FETCH / MOVE to ``ops`` (a ``transfer.TransferOps``)."""
@@ -104,6 +129,11 @@ class Interpreter:
 
     # ---- batch ---------------------------------------------------------------
     def run_batch(self, batch: list[list[Any]]) -> None:
+        if self._stalled is not None:
+            resumed = self._resume(batch)
+            if resumed is None:
+                return
+            batch = resumed
         out: list[list[Any]] = []
         handlers, run_op = self.handlers, self.op
         for msg in batch:
@@ -117,11 +147,38 @@ class Interpreter:
                 continue
             try:
                 h(msg, out)
+            except NeedGraph as e:  # hold this REPLAY and all after it until the client re-sends the graph
+                i = next(i for i, x in enumerate(batch) if x is msg)
+                self._stalled, self._stall_gid = batch[i:], e.gid
+                out.append([0, m.NEED_GRAPH, e.gid])
+                break
             except Exception as e:  # a malformed message: answer it, keep the session
                 self._malformed(msg, out, e)
         self.ops_run += len(batch)
         if out:
             self.respond(out)
+
+    def _resume(self, batch: list[list[Any]]) -> list[list[Any]] | None:
+        """Stalled: register the awaited GRAPH if this batch brings it, then run everything held, in order."""
+        stalled, gid = self._stalled, self._stall_gid
+        assert stalled is not None
+        for msg in batch:
+            if msg[0] == m.GRAPH and len(msg) > 1 and msg[1] == gid:
+                out: list[list[Any]] = []
+                self.graph(msg, out)
+                if out:
+                    self.respond(out)
+                break
+        else:
+            stalled.extend(batch)
+            if len(stalled) > MAX_STALLED:
+                self._stalled = None
+                self.respond([[0, m.ERROR, to_wire(ProtocolError(
+                    f"the session waited for graph {gid} past {MAX_STALLED} messages; the client never sent it"))]])
+            return None
+        self._stalled = self._stall_gid = None
+        stalled.extend(batch)
+        return stalled
 
     def _malformed(self, msg: list[Any], out: list[list[Any]], e: Exception) -> None:
         err = e if isinstance(e, ProtocolError) else ProtocolError(f"malformed {m.KIND_NAMES[msg[0]]} message: {e}")
@@ -185,6 +242,101 @@ class Interpreter:
                 self.poison[o] = poison
         except TypeError:
             pass
+
+    # ---- graphs ---------------------------------------------------------------------
+    def graph(self, msg: list[Any], out: list[list[Any]]) -> None:
+        """Register (or refresh) a graph. A malformed one is a client bug: a session-level error."""
+        try:
+            g = compile_graph(msg, self.table, self.backend)
+        except ProtocolError as e:
+            out.append([0, m.ERROR, to_wire(e)])
+            return
+        self.graphs.put(g)
+
+    def replay(self, msg: list[Any], out: list[list[Any]]) -> None:
+        """Run a registered graph: the same ops, the same poisoning, as if each op had been sent."""
+        _, gid, ins, outs, scal = msg
+        g = self.graphs.get(gid)
+        if g is None:
+            raise NeedGraph(gid)
+        n_in = g.n_in
+        if type(outs) is int:  # dense ids: output register r gets id outs + r - (first output register)
+            first = outs - n_in - g.n_s
+            outs = [first + r for r in g.kept]
+        if len(ins) != n_in or len(outs) != len(g.kept) or len(scal) % 2:
+            raise ProtocolError(f"Replay of graph {gid} binds {len(ins)} inputs and {len(outs)} outputs; "
+                                f"the graph has {n_in} and {len(g.kept)}")
+        t, poison = self.tensors, self.poison
+        R: list[Any] = [None] * g.n_reg
+        bad = False
+        for k, i in enumerate(ins):
+            v = t.get(i)
+            if v is None:
+                v = poison.get(i) or _Missing(i)
+                bad = True
+            R[k] = v
+        R[n_in:n_in + g.n_s] = g.scalars
+        for j in range(0, len(scal), 2):
+            idx = scal[j]
+            if type(idx) is not int or not 0 <= idx < g.n_s:
+                raise ProtocolError(f"Replay of graph {gid} overrides scalar {idx!r} of {g.n_s}")
+            R[n_in + idx] = scal[j + 1]
+        for fn, regs, oregs, kw, name, tregs, err in g.steps:
+            try:
+                if bad:
+                    for r in tregs:
+                        v = R[r]
+                        if type(v) is Poison or type(v) is _Missing:
+                            raise KeyError(v.tid if type(v) is _Missing else name)
+                if fn is None:
+                    raise KeyError(name)
+                if err is not None:
+                    raise err
+                if kw:
+                    res = fn(*[R[r] for r in regs], **kw)
+                else:
+                    res = fn(*[R[r] for r in regs])
+                if len(oregs) == 1:
+                    R[oregs[0]] = res
+                else:
+                    if len(res) != len(oregs):
+                        raise ValueError(f"{name} returned {len(res)} results for {len(oregs)} outputs")
+                    for o, r in zip(oregs, res):
+                        R[o] = r
+            except Exception as e:
+                p = self._replay_poison(name, [R[r] for r in tregs], e)
+                for o in oregs:
+                    R[o] = p
+                bad = True
+        for reg, oid in zip(g.kept, outs):
+            v = R[reg]
+            if type(v) is Poison:
+                t.pop(oid, None)
+                poison[oid] = v
+            else:
+                t[oid] = v
+        for k in g.consumed:
+            i = ins[k]
+            if t.pop(i, None) is None:
+                poison.pop(i, None)
+
+    def _replay_poison(self, name: str, vals: list[Any], e: Exception) -> Poison:
+        """What ``_fail`` would have made of this op sent alone (same message, same upstream poison)."""
+        upstream = next((v for v in vals if type(v) is Poison), None)
+        if upstream is not None:
+            return upstream
+        missing = [v.tid for v in vals if type(v) is _Missing]
+        if isinstance(e, UnknownOp):
+            msg = str(e)
+        elif isinstance(e, KeyError) and name not in self.table and name not in self.custom_ops:
+            msg = f"unknown op {name!r}: not an Array API function this peer offers nor a registered custom op"
+        elif isinstance(e, KeyError) and missing:
+            msg = f"input tensor id(s) {missing} unknown to this session (dropped or never created)"
+        else:
+            msg = f"{type(e).__name__}: {e}"
+        desc = _describe(["?" if type(v) is _Missing else v for v in vals])
+        return Poison({"kind": "RemoteExecutionError", "op": name,
+                       "message": f"op {name}({desc}) failed on {self.backend.spec}: {msg}"})
 
     def custom(self, msg: list[Any], out: list[list[Any]]) -> None:
         _, name, inputs, outs, scalars, specs = msg
@@ -282,3 +434,5 @@ class Interpreter:
         self.tensors.clear()
         self.poison.clear()
         self._uploads.clear()
+        self.graphs.clear()
+        self._stalled = None

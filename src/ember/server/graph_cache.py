@@ -1,0 +1,126 @@
+"""Op-graph caching, server side: a session's registered graphs, compiled once, in a bounded LRU.
+
+A GRAPH message (see :mod:`ember.protocol.messages`) is validated and compiled
+into a tuple of steps ``(fn, arg_registers, out_registers, kwargs, name,
+tensor_registers, error)``: the op's callable is looked up once, the keyword
+arguments are converted once (dtype names to backend dtypes, axis lists to
+tuples) into a private copy that replays never mutate. The interpreter runs
+the steps over a register file (:meth:`Interpreter.replay`).
+
+The cache is a plain LRU: registering or replaying a graph makes it the most
+recent; inserting past ``capacity`` evicts the least recent. Clients mirror
+exactly this policy (they see the same sequence of GRAPH and REPLAY), which
+lets them re-register an evicted graph before replaying it without a round
+trip. Keep the two in step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable
+
+from ..errors import ProtocolError
+from ..protocol import messages as m
+from .backends import Backend
+
+Step = tuple[Any, tuple[int, ...], tuple[int, ...], "dict[str, Any] | None", str, tuple[int, ...],
+             "Exception | None"]
+
+
+class CompiledGraph:
+    __slots__ = ("gid", "n_in", "scalars", "n_s", "steps", "kept", "consumed", "n_reg")
+
+    def __init__(self, gid: int, n_in: int, scalars: list[Any], steps: tuple[Step, ...], kept: tuple[int, ...],
+                 consumed: tuple[int, ...], n_reg: int) -> None:
+        self.gid = gid
+        self.n_in = n_in
+        self.scalars = scalars
+        self.n_s = len(scalars)
+        self.steps = steps
+        self.kept = kept
+        self.consumed = consumed
+        self.n_reg = n_reg
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
+    if type(v) is not int or v < lo or (hi is not None and v >= hi):
+        raise ProtocolError(f"malformed Graph message: {what} is {v!r}")
+    return v
+
+
+def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend: Backend) -> CompiledGraph:
+    """Validate a GRAPH message and compile it; ProtocolError names what is malformed."""
+    if len(msg) != 7:
+        raise ProtocolError(f"malformed Graph message: {len(msg)} fields, expected 7")
+    _, gid, n_in, scalars, body, kept, consumed = msg
+    _int(gid, "the graph id", 0, 1 << 64)
+    _int(n_in, "the input count", 0, 1 << 20)
+    if not isinstance(scalars, list) or not isinstance(body, list) or not isinstance(kept, list) \
+            or not isinstance(consumed, list):
+        raise ProtocolError("malformed Graph message: scalars, body, kept and consumed must be arrays")
+    if len(body) > m.MAX_GRAPH_OPS:
+        raise ProtocolError(f"graph of {len(body)} ops exceeds this peer's limit of {m.MAX_GRAPH_OPS}")
+    first_out = n_in + len(scalars)
+    reg = first_out
+    steps: list[Step] = []
+    for op in body:
+        if not isinstance(op, list) or len(op) != 4:
+            raise ProtocolError(f"malformed Graph op {str(op)[:80]}")
+        name, regs, nouts, kwargs = op
+        if not isinstance(name, str) or not isinstance(regs, list) or not (kwargs is None or isinstance(kwargs, dict)):
+            raise ProtocolError(f"malformed Graph op {str(op)[:80]}")
+        for r in regs:
+            _int(r, f"a register of op {name!r}", 0, reg)
+        _int(nouts, f"the output count of op {name!r}", 1, 1 << 16)
+        err: Exception | None = None
+        kw = None
+        if kwargs:
+            kw = dict(kwargs)  # private copy: the replay never sees a mutated body
+            try:
+                if "dtype" in kw and type(kw["dtype"]) is str:
+                    kw["dtype"] = backend.dtype(kw["dtype"])
+                if "axis" in kw and type(kw["axis"]) is list:
+                    kw["axis"] = tuple(kw["axis"])
+            except Exception as e:  # fails at run time, exactly like the op sent alone
+                err = e
+        tregs = tuple(r for r in regs if not n_in <= r < first_out)
+        steps.append((table.get(name), tuple(regs), tuple(range(reg, reg + nouts)), kw, name, tregs, err))
+        reg += nouts
+    for r in kept:
+        _int(r, "a kept register", first_out, reg)
+    for k in consumed:
+        _int(k, "a consumed input", 0, n_in)
+    return CompiledGraph(gid, n_in, scalars, tuple(steps), tuple(kept), tuple(consumed), reg)
+
+
+class GraphCache:
+    """gid -> CompiledGraph, least recently used evicted first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._d: OrderedDict[int, CompiledGraph] = OrderedDict()
+        self.evictions = 0
+
+    def get(self, gid: Any) -> CompiledGraph | None:
+        g = self._d.get(gid)
+        if g is not None:
+            self._d.move_to_end(gid)
+        return g
+
+    def put(self, g: CompiledGraph) -> None:
+        d = self._d
+        if g.gid in d:
+            d.move_to_end(g.gid)
+        d[g.gid] = g
+        while len(d) > self.capacity:
+            d.popitem(last=False)
+            self.evictions += 1
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, gid: Any) -> bool:
+        return gid in self._d
+
+    def clear(self) -> None:
+        self._d.clear()
