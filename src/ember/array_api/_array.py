@@ -233,6 +233,12 @@ def emit_dynamic_multi(name: str, args: list[Any], kwargs: dict[str, Any] | None
     return outs
 
 
+def scalar_array(value: Any, dt: DType, like: RemoteArray) -> RemoteArray:
+    """A Python scalar the wire cannot carry as a literal (complex) as an uploaded 0-d array."""
+    s = like._session
+    return RemoteArray(s.upload(np.asarray(value, dtype=dt.np)), (), dt, like._dev, s)
+
+
 def same_device(*arrays: RemoteArray) -> None:
     s = arrays[0]._session
     for a in arrays[1:]:
@@ -318,10 +324,14 @@ def binary(name: str, a: Any, b: Any) -> RemoteArray:
         if type(b) not in _Scalar:
             return NotImplemented
         dt, shape, smask = d.scalar_ok(a._dtype, b), a._shape, 2
+        if type(b) is complex:
+            b, smask = scalar_array(b, dt, a), 0
     elif tb:
         if type(a) not in _Scalar:
             return NotImplemented
         dt, shape, smask = d.scalar_ok(b._dtype, a), b._shape, 1
+        if type(a) is complex:
+            a, smask = scalar_array(a, dt, b), 0
     else:
         raise TypeError(f"{name} needs at least one ember array")
     if dt not in allowed:
@@ -388,5 +398,5 @@ RemoteArray.__matmul__ = _matmul  # type: ignore[attr-defined]
 RemoteArray.__rmatmul__ = _rmatmul  # type: ignore[attr-defined]
 RemoteArray.__imatmul__ = _imatmul  # type: ignore[attr-defined]
 
-__all__ = ["RemoteArray", "emit", "emit_multi", "emit_dynamic", "emit_dynamic_multi", "unary", "binary", "broadcast_shapes",
+__all__ = ["RemoteArray", "scalar_array", "emit", "emit_multi", "emit_dynamic", "emit_dynamic_multi", "unary", "binary", "broadcast_shapes",
            "same_device"]

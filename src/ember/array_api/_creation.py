@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _dtypes as d
-from ._array import RemoteArray, emit, emit_multi, same_device
+from ._array import RemoteArray, emit, emit_multi, real_dtype, same_device, scalar_array
 from ._device import check_dtype, resolve
 from ._dtypes import DType, to_dtype
 
@@ -125,6 +125,9 @@ def full(shape: int | Sequence[int], fill_value: bool | int | float | complex, *
                                         float if fill_value.dtype.kind == "f" else
                                         bool if fill_value.dtype.kind == "b" else int)
     dt = _dtype_or(dtype, _scalar_dtype(fill_value))
+    if isinstance(fill_value, complex):  # no complex literals on the wire: zeros + a 0-d upload
+        z = _create("full", device, {"shape": list(s), "fill_value": 0}, s, dt)
+        return emit("add", [z, scalar_array(fill_value, dt, z)], 0, None, s, dt)
     return _create("full", device, {"shape": list(s), "fill_value": fill_value}, s, dt)
 
 
@@ -148,6 +151,11 @@ def linspace(start: int | float | complex, stop: int | float | complex, /, num: 
     dt = _dtype_or(dtype, d.DEFAULT_COMPLEX if iscomplex else d.DEFAULT_FLOAT)
     if iscomplex and dt not in d.COMPLEX:
         raise TypeError(f"linspace with complex bounds needs a complex dtype, got {dt}")
+    if iscomplex or dt in d.COMPLEX:  # no complex literals on the wire: start + (stop - start) * t
+        t = _create("linspace", device, {"num": num, "endpoint": endpoint}, (num,), real_dtype(dt), [0.0, 1.0])
+        a, b = complex(start), complex(stop)
+        step = emit("multiply", [t, scalar_array(b - a, dt, t)], 0, None, (num,), dt)
+        return emit("add", [step, scalar_array(a, dt, t)], 0, None, (num,), dt)
     return _create("linspace", device, {"num": num, "endpoint": endpoint}, (num,), dt, [start, stop])
 
 
@@ -169,6 +177,9 @@ def _like(name: str, x: RemoteArray, dtype: Any, device: Any, **kw: Any) -> Remo
         return globals()[base](*args, dtype=dt, device=device)
     if dt is not x.dtype:
         check_dtype(x.device, dt)
+    if isinstance(kw.get("fill_value"), complex):  # no complex literals on the wire
+        z = emit(name, [x], 0, {"fill_value": 0, "dtype": dt.name}, x.shape, dt)
+        return emit("add", [z, scalar_array(kw["fill_value"], dt, z)], 0, None, x.shape, dt)
     kw["dtype"] = dt.name
     return emit(name, [x], 0, kw, x.shape, dt)
 

@@ -12,7 +12,7 @@ import operator
 from typing import Any
 
 from . import _dtypes as d
-from ._array import RemoteArray, broadcast_shapes, emit, emit_dynamic, same_device
+from ._array import RemoteArray, broadcast_shapes, emit, emit_dynamic, same_device, scalar_array
 from ..protocol import codec
 
 __all__ = ["take", "take_along_axis"]
@@ -126,6 +126,8 @@ def setitem(x: RemoteArray, key: Any, value: Any) -> None:
         if d.scalar_ok(x.dtype, value) is not x.dtype:
             raise TypeError(f"cannot assign a Python {type(value).__name__} into a {x.dtype} array")
         smask = 2
+        if type(value) is complex:  # no complex literals on the wire
+            value, smask = scalar_array(value, x.dtype, x), 0
     extra: list[int] = []
     enc = codec.encode_key(items, extra, RemoteArray)
     new = emit("setitem", [x, value, *arrays], smask, {"key": enc}, x.shape, x.dtype)

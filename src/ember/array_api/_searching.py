@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _dtypes as d
-from ._array import RemoteArray, broadcast_shapes, emit, emit_dynamic_multi, same_device
+from ._array import RemoteArray, broadcast_shapes, emit, emit_dynamic_multi, same_device, scalar_array
 from ._statistical import normalize_axis, reduced_shape
 
 __all__ = ["argmax", "argmin", "count_nonzero", "nonzero", "searchsorted", "where"]
@@ -90,5 +90,10 @@ def where(condition: RemoteArray, x1: Any, x2: Any, /) -> RemoteArray:
         same_device(condition, arr)
         dt = d.scalar_ok(arr.dtype, sc)
         shape = broadcast_shapes(condition.shape, arr.shape)
+        if type(sc) is complex:  # no complex literals on the wire
+            if a1:
+                x2, a2 = scalar_array(sc, dt, arr), True
+            else:
+                x1, a1 = scalar_array(sc, dt, arr), True
     smask = (0 if a1 else 2) | (0 if a2 else 4)
     return emit("where", [condition, x1, x2], smask, None, shape, dt)

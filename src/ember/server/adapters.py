@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as _np
+
 from ..protocol import codec
 
 Fn = Callable[..., Any]
@@ -35,6 +37,7 @@ def _unwrap(f: Fn) -> Fn:
 
 def common(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
     """Adapters every backend needs (wire conventions and result shapes)."""
+    numpy_backend = xp.__name__.endswith("numpy")
     def arange(start: Any, stop: Any, step: Any, *, num: int, dtype: Any) -> Any:
         r = xp.arange(start, stop, step, dtype=dtype, device=dev)
         if r.shape[0] != num:  # float rounding may disagree with the client's count by one
@@ -42,7 +45,9 @@ def common(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
         return r
 
     def clip(x: Any, lo: Any, hi: Any) -> Any:
-        r = xp.clip(x, lo, hi)
+        if lo is None and hi is None:
+            return xp.asarray(x, copy=True)
+        r = _np.clip(x, lo, hi) if numpy_backend else xp.clip(x, lo, hi)  # compat's NumPy clip writes to bounds
         return r if r.dtype == x.dtype else xp.astype(r, x.dtype)
 
     def diff(x: Any, prepend: Any, append: Any, **k: Any) -> Any:
