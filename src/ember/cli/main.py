@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--websocket", action="append", default=[], type=_hostport, metavar="HOST:PORT",
                    help="serve WebSocket on HOST:PORT (port 0 picks a free port; repeatable)")
     s.add_argument("--token", default=None, help="require this credential from clients (or EMBER_TOKEN)")
+    s.add_argument("--tls-cert", default=None, metavar="PEM", help="serve WebSocket over TLS (wss://) with this certificate chain")
+    s.add_argument("--tls-key", default=None, metavar="PEM", help="private key for --tls-cert (default: in the cert file)")
     s.add_argument("--max-sessions", type=int, default=256)
     _iroh_options(s, serve=True)
     s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)

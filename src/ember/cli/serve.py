@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import ssl
 import sys
 from typing import Any
 
+from ..errors import EmberError
 from ..server import Server, token_authorizer
 
 
@@ -14,11 +16,23 @@ def build_server(args: argparse.Namespace) -> Server:
     token = args.token or os.environ.get("EMBER_TOKEN")
     auth = token_authorizer(token.encode()) if token else None
     server = Server(args.device or ["cpu"], authorizer=auth, max_sessions=args.max_sessions)
+    tls = tls_context(args.tls_cert, args.tls_key) if getattr(args, "tls_cert", None) else None
     for host, port in args.websocket:
-        server.listen_websocket(host, port)
+        server.listen_websocket(host, port, ssl=tls)
     if not getattr(args, "no_iroh", True):
         add_iroh(server, args)
     return server
+
+
+def tls_context(cert: str, key: str | None) -> ssl.SSLContext:
+    """A server TLS context; unreadable or mismatched files are a clear error."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise EmberError(f"cannot load the TLS certificate {cert}" + (f" / key {key}" if key else "") + f": {e}",
+                         hint="pass a PEM certificate chain with --tls-cert and its key with --tls-key") from None
+    return ctx
 
 
 def add_iroh(server: Server, args: argparse.Namespace) -> Any:

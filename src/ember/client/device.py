@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import threading
 from typing import Any
 
@@ -24,13 +25,15 @@ class Device:
     """
 
     def __init__(self, address: str, index: int, *, credential: bytes = b"", timeout: float = 10.0,
-                 read_timeout: float = 300.0, session_options: dict[str, Any] | None = None) -> None:
+                 read_timeout: float = 300.0, session_options: dict[str, Any] | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.address = address
         self.index = index
         self._credential = credential
         self._timeout = timeout
         self._read_timeout = read_timeout
         self._options = session_options or {}
+        self._ssl = tls
         self._lock = threading.Lock()
         self._session: ClientSession | None = None
         self._session = self._open()
@@ -41,7 +44,7 @@ class Device:
         sid = os.urandom(16)
 
         async def go() -> ClientSession:
-            conn = await _dial(self.address, self._timeout)
+            conn = await _dial(self.address, self._timeout, self._ssl)
             try:
                 welcome = await open_session(conn, address=self.address, device=self.index,
                                              credential=self._credential, timeout=self._timeout, session_id=sid)
@@ -111,13 +114,13 @@ class Device:
         return id(self)
 
 
-async def _dial(address: str, timeout: float) -> Any:
+async def _dial(address: str, timeout: float, tls: ssl.SSLContext | None = None) -> Any:
     if address == LOCAL:
         from ..transport.memory import memory_pair
         client_end, server_end = memory_pair()
         asyncio.ensure_future(_local_server().handle(server_end))
         return client_end
-    return await dial(address, timeout=timeout, max_frame=m.DEFAULT_MAX_FRAME)
+    return await dial(address, timeout=timeout, max_frame=m.DEFAULT_MAX_FRAME, tls=tls)
 
 
 _local: Any = None
@@ -147,25 +150,40 @@ def _stack() -> list[Device]:
 
 
 def connect(address: str = LOCAL, *, device: int = 0, credential: bytes | str = b"", timeout: float = 10.0,
-            read_timeout: float = 300.0, **session_options: Any) -> Device:
+            read_timeout: float = 300.0, tls_ca: str | ssl.SSLContext | None = None,
+            **session_options: Any) -> Device:
     """Connect to one device of a peer, eagerly.
 
     ``address`` is ``"local"``, ``"ws://host:port"``, or an iroh ticket / peer id.
     An unreachable peer, a refused session or a bad device index raises here.
+    ``tls_ca`` (a CA file or an ``ssl.SSLContext``; default ``$EMBER_TLS_CA``, else
+    the system's CAs) verifies a ``wss://`` peer.
     """
     if isinstance(credential, str):
         credential = credential.encode()
     if not isinstance(device, int) or device < 0:
         raise ConnectError(f"device index must be a non-negative int, got {device!r}")
     return Device(address, device, credential=credential, timeout=timeout, read_timeout=read_timeout,
-                  session_options=session_options)
+                  session_options=session_options, tls=_tls_context(address, tls_ca))
 
 
-def devices(address: str = LOCAL, *, credential: bytes | str = b"", timeout: float = 10.0) -> list[Device]:
-    """Every device the peer at ``address`` hosts."""
-    first = connect(address, credential=credential, timeout=timeout)
+def _tls_context(address: str, ca: str | ssl.SSLContext | None) -> ssl.SSLContext | None:
+    if not address.startswith("wss://"):
+        return None
+    if isinstance(ca, ssl.SSLContext):
+        return ca
+    ca = ca or os.environ.get("EMBER_TLS_CA") or None
+    try:
+        return ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as e:
+        raise ConnectError(f"cannot load the CA file {ca}: {e}", hint="pass tls_ca= a PEM CA bundle") from None
+
+
+def devices(address: str = LOCAL, **options: Any) -> list[Device]:
+    """Every device the peer at ``address`` hosts (``options`` as for :func:`connect`)."""
+    first = connect(address, **options)
     n = int(first.session.welcome.get("device_count", 1))
-    return [first] + [connect(address, device=i, credential=credential, timeout=timeout) for i in range(1, n)]
+    return [first] + [connect(address, device=i, **options) for i in range(1, n)]
 
 
 def set_default_device(dev: Device | None) -> None:

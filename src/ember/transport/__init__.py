@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import ssl
 
 from ..errors import ConnectError
 from .base import FrameConnection, Listener, SessionHandler
@@ -14,14 +15,15 @@ def is_iroh_address(address: str) -> bool:
     return address.startswith("endpoint") or bool(_PEER_ID.match(address))
 
 
-async def dial(address: str, *, timeout: float, max_frame: int, kind: str = "session") -> FrameConnection:
+async def dial(address: str, *, timeout: float, max_frame: int, kind: str = "session",
+               tls: ssl.SSLContext | None = None) -> FrameConnection:
     """Open a stream of ``kind`` (session / transfer) to ``address`` (``ws://`` URL, iroh ticket or peer id).
 
     Over WebSocket a stream's kind is told by its first frame; over iroh by the stream header.
     """
     if address.startswith(("ws://", "wss://")):
         from . import websocket
-        return await websocket.dial(address, timeout=timeout, max_frame=max_frame)
+        return await websocket.dial(address, timeout=timeout, max_frame=max_frame, ssl=tls)
     if is_iroh_address(address):
         from . import iroh
         return await iroh.dial(address, timeout=timeout, kind=kind, max_frame=max_frame + 65536)
