@@ -71,6 +71,19 @@ def _loop(a: np.ndarray) -> np.ndarray:
     return w
 
 
+@pytest.mark.timeout(120)
+def test_long_upload_is_not_mistaken_for_a_dead_peer(iroh_server: Server) -> None:
+    """No answers come back while a big upload streams out; the heartbeat must not give up."""
+    dev = ember.connect(iroh_server.addresses[0], heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    try:
+        host = np.frombuffer(os.urandom(160 * 2**20), dtype=np.uint8)
+        x = xp.asarray(host, device=dev)
+        dev.sync(timeout=100)
+        assert int(xp.sum(xp.astype(x[:1000], xp.int64))) == int(host[:1000].astype(np.int64).sum())
+    finally:
+        dev.close()
+
+
 @pytest.mark.timeout(60)
 def test_authorizer_sees_the_authenticated_peer_id_and_its_reason_reaches_the_client() -> None:
     seen: list[str | None] = []

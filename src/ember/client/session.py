@@ -356,7 +356,12 @@ class ClientSession:
                 await wake.wait()
                 wake.clear()
                 while frames:
-                    await conn.send(frames.popleft())
+                    frame = frames.popleft()
+                    await conn.send(frame)
+                    if len(frame) >= 1 << 20:
+                        # a big send completing is a sign of life: a long upload gets no answers, but
+                        # a dead peer stops acknowledging and the send stalls (pings do not count)
+                        self._last_recv = time.monotonic()
                 if self.lost is not None:
                     break
         except (ConnectionError, OSError) as e:
