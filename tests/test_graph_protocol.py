@@ -160,5 +160,5 @@ def test_canon_ignores_ids_and_scalar_values_but_not_structure(dropped: set[int]
     b = canon(group(100, 110, 0.7), {d + 100 for d in dropped})
     c = canon(group(1, 10, 1), dropped)  # an int scalar instead of a float: another graph
     assert a is not None and b is not None and c is not None
-    assert a.key == b.key != c.key
+    assert a.same(b) and not a.same(c) and a.key() == b.key() != c.key()
     assert a.scalars == [0.5, 1.0] and b.scalars == [0.7, 1.0]

@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--address", default=None, help="use this peer instead of starting one")
     d.add_argument("--steps", type=int, default=300)
     d.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+
+    from ..bench import build_parser as bench_options
+    b = sub.add_parser("bench", help="the benchmark suite: every figure per transport, next to baselines")
+    bench_options(b)
+    b.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     return p
 
 
@@ -81,6 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from ..demo import run
             return 0 if run(args.address, steps=args.steps) else 1
+        if args.command == "bench":
+            from ..bench import run_args
+            run_args(args)
+            return 0
     except EmberError as e:
         if args.debug:
             raise

@@ -46,85 +46,136 @@ from typing import Any
 from ..protocol import codec
 from ..protocol import messages as m
 
-_OUT, _IN, _SCALAR = 0, 1, 2
 _MASK63 = (1 << 63) - 1
 
 
 class Canon:
-    """The canonical form of one group plus the bindings it needs."""
+    """The canonical form of one group (what must match) plus the bindings it needs (what may differ).
 
-    __slots__ = ("key", "n_in", "scalars", "body", "kept", "consumed", "inputs", "kept_ids", "elide")
+    ``shape`` holds one ``[name, smask, refs, n_outs]`` per op, where a tensor argument is
+    ``s >= 0`` (the output of the group's s-th output slot) or ``~k`` (the group's k-th
+    input) and a scalar argument is ``None``; ``kws`` the ops' keyword arguments; ``types``
+    the scalars' types. Two groups are the same graph when all of these, ``kept`` and
+    ``consumed`` are equal (keyword arguments compared by their encoding, so True != 1).
+    """
 
-    def __init__(self, key: bytes, n_in: int, scalars: list[Any], body: list[list[Any]], kept: list[int],
-                 consumed: list[int], inputs: list[int], kept_ids: list[int] | int, elide: set[int]) -> None:
-        self.key = key
-        self.n_in = n_in
+    __slots__ = ("shape", "kws", "types", "kept", "consumed", "scalars", "inputs", "kept_ids", "elide",
+                 "n_slots", "_kwb")
+
+    def __init__(self, shape: list[list[Any]], kws: list[Any], scalars: list[Any], kept: list[int],
+                 consumed: list[int], inputs: list[int], kept_ids: list[int] | int, elide: set[int],
+                 n_slots: int) -> None:
+        self.shape = shape
+        self.kws = kws
         self.scalars = scalars
-        self.body = body
+        self.types = [type(v) for v in scalars]
         self.kept = kept
         self.consumed = consumed
         self.inputs = inputs
         self.kept_ids = kept_ids
         self.elide = elide
+        self.n_slots = n_slots
+        self._kwb: bytes | None = None
+
+    def kw_bytes(self) -> bytes:
+        if self._kwb is None:
+            self._kwb = codec.packb(self.kws)
+        return self._kwb
+
+    def same(self, other: "Canon") -> bool:
+        return (self.shape == other.shape and self.types == other.types and self.kept == other.kept
+                and self.consumed == other.consumed and self.kw_bytes() == other.kw_bytes())
+
+    @property
+    def n_in(self) -> int:
+        return len(self.inputs)
+
+    def key(self) -> bytes:
+        """The structure's encoding: what the graph id is a hash of."""
+        return codec.packb([self.shape, [t.__name__ for t in self.types], self.kept, self.consumed, self.kws])
+
+    def wire_body(self) -> tuple[list[list[Any]], list[int]]:
+        """(body, kept registers) in the register numbering of the GRAPH message."""
+        n_in, n_s = len(self.inputs), len(self.scalars)
+        base = n_in + n_s
+        body = []
+        j = n_in
+        for (name, _smask, refs, nouts), kw in zip(self.shape, self.kws):
+            regs = []
+            for r in refs:
+                if r is None:
+                    regs.append(j)
+                    j += 1
+                else:
+                    regs.append(base + r if r >= 0 else ~r)
+            body.append([name, regs, nouts, kw])
+        return body, [base + s for s in self.kept]
 
 
 def canon(ops: list[list[Any]], dropped: set[int] | frozenset[int]) -> Canon | None:
-    """Canonicalise a group of OP messages; None when it cannot be a graph (odd messages)."""
+    """Canonicalise a group of OP messages; None when it cannot be a graph (odd messages).
+
+    Runs once per held group at its boundary, so it is written for speed: one pass,
+    no comprehension frames, dict lookups through bound methods.
+    """
+    slots: dict[int, int] = {}
+    inputs: dict[int, int] = {}
+    scalars: list[Any] = []
+    shape: list[list[Any]] = []
+    kws: list[Any] = []
+    sget, iget = slots.get, inputs.get
+    n = 0
     try:
-        slots: dict[int, int] = {}
-        inputs: dict[int, int] = {}
-        scalars: list[Any] = []
-        coded: list[tuple[str, list[int], int, Any]] = []
-        for msg in ops:
-            _, name, args, smask, outs, kwargs = msg
-            refs = []
-            for i, a in enumerate(args):
-                if smask >> i & 1:
-                    refs.append(len(scalars) * 3 + _SCALAR)
+        for _, name, args, smask, outs, kwargs in ops:
+            refs: list[Any] = []
+            i = 0
+            for a in args:
+                if smask and smask >> i & 1:
                     scalars.append(a)
-                    continue
-                s = slots.get(a)
-                if s is not None:
-                    refs.append(s * 3 + _OUT)
-                    continue
-                k = inputs.get(a)
-                if k is None:
-                    if type(a) is not int:
-                        return None
-                    k = inputs[a] = len(inputs)
-                refs.append(k * 3 + _IN)
+                    refs.append(None)
+                else:
+                    r = sget(a)
+                    if r is None:
+                        r = iget(a)
+                        if r is None:
+                            if type(a) is not int:
+                                return None
+                            r = inputs[a] = len(inputs)
+                        r = ~r
+                    refs.append(r)
+                i += 1
             for o in outs:
-                if o in slots or o in inputs:
-                    return None
-                slots[o] = len(slots)
-            coded.append((name, refs, len(outs), kwargs))
-        n_in, n_s = len(inputs), len(scalars)
-        base = n_in + n_s
-        body = []
-        for name, refs, nouts, kwargs in coded:
-            regs = [r // 3 if r % 3 == _IN else n_in + r // 3 if r % 3 == _SCALAR else base + r // 3 for r in refs]
-            body.append([name, regs, nouts, kwargs])
-        kept, kept_ids, elide = [], [], set()
-        first = next(iter(slots), 0)
+                slots[o] = n
+                n += 1
+            shape.append([name, smask, refs, len(outs)])
+            kws.append(kwargs)
+    except (TypeError, ValueError):
+        return None
+    if len(slots) != n:
+        return None  # an id used twice as an output
+    first = next(iter(slots), 0)
+    if dropped:
+        kept: list[int] = []
+        kept_ids: list[int] = []
+        elide: set[int] = set()
         dense = True  # every kept id is first + its slot (ids allocated in order): send just `first`
-        for tid, s in slots.items():
+        for tid, sl in slots.items():
             if tid in dropped:
                 elide.add(tid)
             else:
-                kept.append(base + s)
+                kept.append(sl)
                 kept_ids.append(tid)
-                if tid != first + s:
+                if tid != first + sl:
                     dense = False
         consumed = []
         for tid, k in inputs.items():
             if tid in dropped:
                 consumed.append(k)
                 elide.add(tid)
-        types = [type(v).__name__ for v in scalars]
-        key = codec.packb([n_in, types, body, kept, consumed])
-    except (TypeError, ValueError):
-        return None
-    return Canon(key, n_in, scalars, body, kept, consumed, list(inputs), first if dense else kept_ids, elide)
+    else:
+        kept, kept_ids, elide, consumed = list(range(n)), list(slots), set(), []
+        dense = kept_ids[-1] - first == n - 1 and all(tid == first + sl for tid, sl in slots.items()) if n else True
+    return Canon(shape, kws, scalars, kept, consumed, list(inputs), first if dense else kept_ids, elide, n)
 
 
 def graph_id(key: bytes) -> int:
@@ -136,11 +187,12 @@ class GraphEntry:
 
     __slots__ = ("gid", "key", "defaults", "wire")
 
-    def __init__(self, gid: int, c: Canon) -> None:
+    def __init__(self, gid: int, key: bytes, c: Canon) -> None:
         self.gid = gid
-        self.key = c.key
+        self.key = key
         self.defaults = c.scalars
-        self.wire = [m.GRAPH, gid, c.n_in, c.scalars, c.body, c.kept, c.consumed]
+        body, kept = c.wire_body()
+        self.wire = [m.GRAPH, gid, c.n_in, c.scalars, body, kept, c.consumed]
 
     def overrides(self, scalars: list[Any]) -> list[Any]:
         """``[index, value, ...]`` for every scalar that differs (in value or type) from the registered one."""
@@ -165,15 +217,16 @@ class Candidate:
         self._canon: Canon | None = None
         self.entry: GraphEntry | None = None
 
-    def key(self) -> bytes | None:
+    def matches(self, k: Canon) -> bool:
+        """Is ``k`` (a held group) this candidate's graph? (canonicalises the candidate once)"""
         if self._canon is None:
             if self.ops is None:
-                return None
+                return False
             self._canon = canon(self.ops, self.dropped or set())
             self.ops = self.dropped = None  # keep only the canonical form
             if self._canon is None:
-                return None
-        return self._canon.key
+                return False
+        return self._canon.same(k)
 
 
 class GraphTable:
@@ -187,14 +240,15 @@ class GraphTable:
 
     def entry_for(self, c: Canon) -> GraphEntry | None:
         """The entry for this structure (new or known); None on an id collision."""
-        gid = graph_id(c.key)
+        key = c.key()
+        gid = graph_id(key)
         e = self.entries.get(gid)
         if e is not None:
-            if e.key != c.key:
+            if e.key != key:
                 return None
             self.entries.move_to_end(gid)
             return e
-        e = self.entries[gid] = GraphEntry(gid, c)
+        e = self.entries[gid] = GraphEntry(gid, key, c)
         if len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
         return e

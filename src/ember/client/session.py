@@ -184,7 +184,7 @@ class ClientSession:
             k = canon(g, dropped) if len(g) == c.n else None
             if k is not None and cl:
                 for i, cand in enumerate(cl):  # same ops, maybe another aliasing or release pattern
-                    if cand.n == c.n and cand.key() == k.key and self._queue_replay(cand, k):
+                    if cand.n == c.n and cand.matches(k) and self._queue_replay(cand, k):
                         if i:
                             cl.insert(0, cl.pop(i))
                         return
