@@ -299,18 +299,60 @@ def _check(name: str, dt: DType, allowed: frozenset[DType]) -> None:
                         f"{', '.join(sorted(x.name for x in allowed))})")
 
 
+#: (name, id(dtype)[, id(dtype) | scalar type]) -> result dtype, for combinations already checked
+#: once: the hot path then skips the rule and promotion lookups (DType hashes in Python).
+_RESULT: dict[tuple[Any, ...], DType] = {}
+
+
 def unary(name: str, x: RemoteArray) -> RemoteArray:
-    if type(x) is not RemoteArray:
+    if type(x) is RemoteArray:
+        out = _RESULT.get((name, id(x._dtype)))
+        if out is not None:  # the hot path: one dict lookup, then record
+            s = x._session
+            tid = next(s.ids)
+            s.record([_OP, name, [x._id], 0, [tid], None])
+            return RemoteArray(tid, x._shape, out, x._dev, s)
+    else:
         raise TypeError(f"{name} expects an ember array, got {type(x).__name__}")
     allowed, rule = RULES[name]
     dt = x._dtype
     if dt not in allowed:
         _check(name, dt, allowed)
     out = dt if rule == "same" else d.bool if rule == "bool" else real_dtype(dt)
+    _RESULT[name, id(dt)] = out
     return emit(name, [x], 0, None, x._shape, out)
 
 
 def binary(name: str, a: Any, b: Any) -> RemoteArray:
+    """``name(a, b)`` with at least one ember array (a Python scalar may be the other)."""
+    ta, tb = type(a) is RemoteArray, type(b) is RemoteArray
+    if ta:  # the hot path: a combination seen before, on one session -> record directly
+        if tb:
+            out = _RESULT.get((name, id(a._dtype), id(b._dtype)))
+            s = a._session
+            if out is not None and b._session is s:
+                sa, sb = a._shape, b._shape
+                tid = next(s.ids)
+                s.record([_OP, name, [a._id, b._id], 0, [tid], None])
+                return RemoteArray(tid, sa if sa == sb else broadcast_shapes(sa, sb), out, a._dev, s)
+        else:
+            out = _RESULT.get((name, id(a._dtype), type(b)))
+            if out is not None:
+                s = a._session
+                tid = next(s.ids)
+                s.record([_OP, name, [a._id, b], 2, [tid], None])
+                return RemoteArray(tid, a._shape, out, a._dev, s)
+    elif tb:
+        out = _RESULT.get((name, type(a), id(b._dtype)))
+        if out is not None:
+            s = b._session
+            tid = next(s.ids)
+            s.record([_OP, name, [a, b._id], 1, [tid], None])
+            return RemoteArray(tid, b._shape, out, b._dev, s)
+    return _binary(name, a, b, ta, tb)
+
+
+def _binary(name: str, a: Any, b: Any, ta: bool, tb: bool) -> RemoteArray:
     allowed, rule = RULES[name]
     ta, tb = type(a) is RemoteArray, type(b) is RemoteArray
     if ta and tb:
@@ -337,7 +379,18 @@ def binary(name: str, a: Any, b: Any) -> RemoteArray:
     if dt not in allowed:
         _check(name, dt, allowed)
     out = dt if rule == "same" else d.bool if rule == "bool" else real_dtype(dt)
+    if smask == 0 and ta and tb:
+        _RESULT[name, id(a._dtype), id(b._dtype)] = out
+    elif smask and _value_free(a if tb else b, dt):  # the result dtype depends on the scalar's type only
+        _RESULT[(name, id(a._dtype), type(b)) if ta else (name, type(a), id(b._dtype))] = out
     return emit(name, [a, b], smask, None, shape, out)
+
+
+def _value_free(v: Any, dt: DType) -> bool:
+    """Does combining scalar ``v`` with ``dt`` succeed whatever its value? (Not an int with an int
+    array: that checks the range; not complex: that uploads a 0-d array.)"""
+    t = type(v)
+    return t is float or t is bool or (t is int and dt.kind not in "iu")
 
 
 def _binop(name: str, reflected: bool = False) -> Any:

@@ -2,9 +2,13 @@
 
 Recording an op appends one short list to ``_pending`` under a lock; nothing
 is sent until a value is needed (read, sync), the batch passes ``max_batch``
-messages, or the idle timer fires (``idle_flush`` seconds after the first op of
-a batch) so work starts while user code keeps going. Frames are encoded on the
-recording thread and queued in order for the I/O loop's sender.
+messages, or the idle timer ticks (every ``idle_flush`` seconds while the
+session is in use: pending ops wait at most that long) so work starts while
+user code keeps going. Frames are encoded on the recording thread and queued in
+order for the I/O loop's sender. The timer is a tick on the I/O loop that keeps
+running while ops are being recorded and stops after ~50 quiet ticks, so
+recording an op normally wakes no thread (a per-batch timer would cost an
+extra I/O-thread wake-up on every op + read round trip).
 
 Op-graph caching (``graphs=True``, see :mod:`ember.client.graph`): a group of
 ops that recurs between two boundaries (reads, uploads...) is held instead of
@@ -40,15 +44,29 @@ class ReadTimeout(EmberError, TimeoutError):
 
 
 class _Waiter:
-    """One outstanding request: completed on the I/O loop, awaited on a user thread."""
+    """One outstanding request: completed on the I/O loop, awaited on a user thread.
 
-    __slots__ = ("event", "value", "error", "buf")
+    A pre-acquired lock is the cheapest one-shot signal between two threads
+    (one futex, no Condition), which matters on the op + read round trip.
+    """
+
+    __slots__ = ("_lock", "value", "error", "buf")
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self._lock = threading.Lock()
+        self._lock.acquire()
         self.value: Any = None
         self.error: BaseException | None = None
         self.buf: bytearray | None = None
+
+    def set(self) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:  # already set (a loss racing an answer)
+            pass
+
+    def wait(self, timeout: float) -> bool:
+        return self._lock.acquire(timeout=timeout)
 
 
 class ClientSession:
@@ -56,7 +74,7 @@ class ClientSession:
 
     def __init__(self, conn: FrameConnection, welcome: dict[str, Any], loop: asyncio.AbstractEventLoop, *,
                  address: str, device: int, read_timeout: float = 300.0, idle_flush: float = 0.002,
-                 max_batch: int = 4096, heartbeat_interval: float = 1.0, heartbeat_timeout: float = 5.0,
+                 max_batch: int = 512, heartbeat_interval: float = 1.0, heartbeat_timeout: float = 5.0,
                  graphs: bool = True, graph_min_ops: int = 8, graph_max_ops: int = 1024,
                  graph_hold: float = 0.02) -> None:
         self.conn = conn
@@ -78,7 +96,9 @@ class ClientSession:
         self._drops: deque[int] = deque()
         self._frames: deque[bytes] = deque()
         self._waiters: dict[int, _Waiter] = {}
-        self._timer_armed = False
+        self._ticking = False  # the idle tick runs on the I/O loop
+        self._active = False   # something was recorded since the last tick
+        self._quiet = 0        # ticks without activity
         self.lost: EmberError | None = None
         self.stats = {"ops": 0, "batches": 0, "bytes_sent": 0, "bytes_received": 0, "reads": 0,
                       "graphs": 0, "replays": 0, "replayed_ops": 0, "graph_resends": 0}
@@ -128,21 +148,26 @@ class ClientSession:
                 self._end_group()
             p = self._pending
             p.append(msg)
-            n = len(p)
-            if n >= self.max_batch:
-                self._flush_locked(False)
-            elif not self._timer_armed:
-                self._timer_armed = True
-                self.loop.call_soon_threadsafe(self._arm_timer)
+            self._active = True
+            if not self._ticking:
+                self._ticking = True
+                self.loop.call_soon_threadsafe(self._arm_tick)
+            if len(p) < self.max_batch:
+                return
+            self._flush_locked(False)
+        # A full batch while the user keeps recording: let the I/O thread take the GIL and send it
+        # now, so the peer works while we record (else it waits for the next GIL switch, ~5 ms).
+        time.sleep(0)
 
     # ---- op-graph caching (under self._lock) -------------------------------------------
     def _start_hold(self, c: Candidate, msg: list[Any]) -> None:
         self._cand = c
         self._grp = [msg]
         self._hold_t0 = time.monotonic()
-        if not self._timer_armed:  # the hold is bounded by graph_hold (checked by the idle timer)
-            self._timer_armed = True
-            self.loop.call_soon_threadsafe(self._arm_timer)
+        self._active = True
+        if not self._ticking:  # the hold is bounded by graph_hold (checked by the idle tick)
+            self._ticking = True
+            self.loop.call_soon_threadsafe(self._arm_tick)
 
     def _switch_candidate(self, n: int, name: str) -> bool:
         """The held ops left the candidate at op ``n``: follow another one with the same first ``n`` ops."""
@@ -303,7 +328,7 @@ class ClientSession:
             self._pending.append([kind, req, *fields])
             self._flush_locked(False)
         t = self.read_timeout if timeout is None else timeout
-        if not w.event.wait(t):
+        if not w.wait(t):
             self._waiters.pop(req, None)
             if self.lost is not None:
                 raise self._lost_error()
@@ -334,20 +359,24 @@ class ClientSession:
         self._fail_all(SessionLost("session closed by this client"))
 
     # ---- I/O loop side -----------------------------------------------------------------
-    def _arm_timer(self) -> None:
-        self.loop.call_later(self.idle_flush, self._idle_flush)
+    def _arm_tick(self) -> None:
+        self.loop.call_later(self.idle_flush, self._tick)
 
-    def _idle_flush(self) -> None:
+    def _tick(self) -> None:
+        """Every ``idle_flush`` while in use: send what waits; give up holding a group past ``graph_hold``."""
         with self._lock:
-            self._timer_armed = False
-            if self._cand is not None:  # holding a group that may be replayed
-                if time.monotonic() - self._hold_t0 < self.graph_hold:
-                    self._timer_armed = True
-                    self.loop.call_later(self.idle_flush, self._idle_flush)
-                    return
+            if self._cand is not None and time.monotonic() - self._hold_t0 >= self.graph_hold:
                 self._release_held()
-            if self._pending or self._drops:
+            if self._cand is None and (self._pending or self._drops):
                 self._flush_locked(False)
+            if self._active or self._pending or self._cand is not None:
+                self._active, self._quiet = False, 0
+            else:
+                self._quiet += 1
+            if self._quiet >= 50 or self.lost is not None:
+                self._ticking = False
+                return
+        self.loop.call_later(self.idle_flush, self._tick)
 
     async def _sender(self) -> None:
         frames, wake, conn = self._frames, self._wake, self.conn
@@ -411,7 +440,7 @@ class ClientSession:
                         w.value = payload
                     else:
                         w.error = from_wire(payload)
-                    w.event.set()
+                    w.set()
         except asyncio.CancelledError:
             pass
         except EmberError as e:
@@ -457,7 +486,7 @@ class ClientSession:
             w = self._waiters.pop(req, None)
             if w is not None:
                 w.error = err
-                w.event.set()
+                w.set()
         try:
             self.loop.call_soon_threadsafe(self._wake.set)
         except RuntimeError:

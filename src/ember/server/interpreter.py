@@ -90,6 +90,12 @@ class NeedGraph(Exception):
 #: Messages a stalled session (waiting for a GRAPH it asked for) holds, at most.
 MAX_STALLED = 1 << 20
 
+#: What the network loop may run itself (see ``Interpreter.cheap``).
+INLINE_OPS = ops.ELEMENTWISE
+INLINE_MAX_MESSAGES = 16
+INLINE_MAX_ELEMENTS = 4096
+INLINE_MAX_BYTES = 256 * 1024
+
 
 def _describe(vals: list[Any]) -> str:
     parts = []
@@ -128,6 +134,49 @@ class Interpreter:
         self.handlers = tuple(h)
 
     # ---- batch ---------------------------------------------------------------
+    def cheap(self, batch: list[list[Any]]) -> bool:
+        """Is this batch certainly cheap to run (bounded microseconds, nothing that can wait)?
+
+        NumPy devices only (a GPU read waits for the device); at most
+        ``INLINE_MAX_MESSAGES`` messages, each an elementwise op without keyword
+        arguments on arrays of at most ``INLINE_MAX_ELEMENTS`` elements that do not
+        broadcast each other up (one shape, or size 1), a read of at most
+        ``INLINE_MAX_BYTES``, a small upload, a sync or a drop.
+        """
+        if self.backend.kind != "numpy" or len(batch) > INLINE_MAX_MESSAGES or self._stalled is not None:
+            return False
+        t = self.tensors
+        for msg in batch:
+            kind = msg[0]
+            if kind == m.OP:
+                if len(msg) != 6 or msg[5] or msg[1] not in INLINE_OPS:
+                    return False
+                smask, shape = msg[3], None
+                i = 0
+                for a in msg[2]:
+                    if not (smask >> i & 1):
+                        v = t.get(a) if type(a) is int else None
+                        if v is not None:
+                            n = v.size
+                            if n > INLINE_MAX_ELEMENTS:
+                                return False
+                            if n > 1:
+                                if shape is None:
+                                    shape = v.shape
+                                elif v.shape != shape:
+                                    return False
+                    i += 1
+            elif kind == m.READ:
+                v = t.get(msg[2]) if len(msg) == 3 and type(msg[2]) is int else None
+                if v is not None and v.nbytes > INLINE_MAX_BYTES:
+                    return False
+            elif kind == m.UPLOAD:
+                if len(msg) != 7 or type(msg[6]) is not int or msg[6] > INLINE_MAX_BYTES:
+                    return False
+            elif kind != m.SYNC and kind != m.DROP:
+                return False
+        return True
+
     def run_batch(self, batch: list[list[Any]]) -> None:
         if self._stalled is not None:
             resumed = self._resume(batch)

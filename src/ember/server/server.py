@@ -54,7 +54,8 @@ class Server:
                  chunk: int = m.DEFAULT_CHUNK,
                  max_tensor: int = 1 << 40,
                  peer_id: str | None = None,
-                 graph_cache: int = m.DEFAULT_GRAPH_CACHE) -> None:
+                 graph_cache: int = m.DEFAULT_GRAPH_CACHE,
+                 inline_small: bool = True) -> None:
         self.backends: list[Backend] = [d if isinstance(d, Backend) else make_backend(d) for d in devices]
         if not self.backends:
             raise EmberError("a server needs at least one device", hint="e.g. Server(['cpu'])")
@@ -64,6 +65,7 @@ class Server:
         self.max_sessions = max_sessions
         self.limits = {"max_frame": max_frame, "chunk": min(chunk, max_frame - 1024), "max_tensor": max_tensor,
                        "graph_cache": max(0, int(graph_cache))}  # graphs per session (LRU); 0: no graph caching
+        self.inline_small = inline_small  # the network loop runs tiny, cheap batches itself (server/session.py)
         self.peer_id = peer_id
         self.version = __version__
         self.listeners: list[Listener] = []

@@ -4,6 +4,15 @@
 from the connection to the session's worker thread and the worker's responses
 back. The network loop never waits on compute; pings are answered by the loop
 itself so a long op never looks like a dead peer.
+
+Tiny batches run inline. When the worker is idle and a batch is provably cheap
+(``Interpreter.cheap``: NumPy device, at most 16 messages, elementwise ops on
+at most 4096 elements, small reads and uploads, syncs, drops), the loop runs it
+itself instead of handing it to the worker and back: that saves two thread
+hops (about half of a small op+read round trip) and costs the loop a bounded
+few microseconds, about what decoding the frame costs. Anything that could
+take long (a matmul, a large array, a GPU device whose reads wait for the
+device) still goes to the worker, so the loop stays responsive.
 """
 
 from __future__ import annotations
@@ -45,6 +54,10 @@ class Session:
         self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.inbox: queue.SimpleQueue[list[list[Any]] | None] = queue.SimpleQueue()
         self.alive = True
+        self.queued = 0  # batches handed to the worker (written by the loop)
+        self.done = 0    # batches the worker finished (written by the worker)
+        self.inline = bool(getattr(server, "inline_small", True))
+        self._loop_thread = threading.get_ident()
         backend = server.backends[self.device_index]
         self.interp = Interpreter(backend, server.tables[self.device_index], server.custom_ops,
                                   self.respond, server.limits)
@@ -55,8 +68,11 @@ class Session:
         self.worker.start()
 
     def respond(self, responses: list[list[Any]]) -> None:
-        """Called on the worker: encode once, hand the frame to the network loop."""
+        """Called on the worker (or the loop, inline): encode once, hand the frame to the network loop."""
         frame = codec.packb(responses)
+        if threading.get_ident() == self._loop_thread:
+            self.outbox.put_nowait(frame)
+            return
         try:
             self.loop.call_soon_threadsafe(self.outbox.put_nowait, frame)
         except RuntimeError:  # loop closed: the server is shutting down
@@ -78,6 +94,20 @@ class Session:
                 interp.run_batch(batch)
             except Exception:  # never let one batch kill the worker
                 log.exception("session %s: batch failed", self.session_id.hex()[:8])
+            finally:
+                self.done += 1
+
+    def submit(self, batch: list[list[Any]]) -> None:
+        """On the loop: run a tiny, cheap batch inline when the worker is idle, else queue it."""
+        if self.inline and self.queued == self.done and self.interp.cheap(batch):
+            try:
+                with np.errstate(all="ignore"):
+                    self.interp.run_batch(batch)
+            except Exception:
+                log.exception("session %s: batch failed", self.session_id.hex()[:8])
+            return
+        self.queued += 1
+        self.inbox.put(batch)
 
     def stop(self) -> None:
         self.alive = False
@@ -174,7 +204,7 @@ async def drive_session(server: "Server", conn: FrameConnection) -> None:
                     if msg[0] == m.EXPOSE and len(msg) == 6 and isinstance(msg[2], bytes) \
                             and isinstance(msg[5], (int, float)):
                         server.transfers.announce(msg[2], float(msg[5]))
-            session.inbox.put(batch)
+            session.submit(batch)
             if batch[-1][0] == m.CLOSE:
                 break
     except (ConnectionError, OSError, asyncio.IncompleteReadError) as e:
