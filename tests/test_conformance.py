@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -32,7 +33,9 @@ xs.set_array_api_strict_flags(api_version="2024.12")
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-SETTINGS = settings(max_examples=15, deadline=None, derandomize=True, database=None,
+#: More examples locally with EMBER_CONFORMANCE_EXAMPLES=200 (and a random seed with EMBER_CONFORMANCE_RANDOM=1).
+SETTINGS = settings(max_examples=int(os.environ.get("EMBER_CONFORMANCE_EXAMPLES", "15")), deadline=None,
+                    derandomize=not os.environ.get("EMBER_CONFORMANCE_RANDOM"), database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
 
@@ -361,7 +364,7 @@ def test_clip(peer: Peer, data: st.DataObject) -> None:
     if kind == "none":
         check(peer, lambda c, a: c.ns.clip(a), x)
         return
-    v = sorted(data.draw(st.lists(st.integers(-50, 50), min_size=2, max_size=2), "bounds"))
+    v = sorted(data.draw(st.lists(st.integers(0 if dt.kind == "u" else -50, 50), min_size=2, max_size=2), "bounds"))
     if dt.kind == "f":
         v = [float(t) for t in v]
     check(peer, lambda c, a: c.ns.clip(a, v[0], v[1]), x)

@@ -162,8 +162,10 @@ class RemoteArray:
 
     def _adopt(self, new: "RemoteArray") -> None:
         """Take over ``new``'s remote value in place (identity kept; the old value is released)."""
-        if new._shape != self._shape or new._dtype is not self._dtype:
-            raise TypeError(f"in-place result {new._shape} {new._dtype} does not fit {self._shape} {self._dtype}")
+        if new._dtype is not self._dtype:
+            raise TypeError(f"an in-place result of dtype {new._dtype} does not fit an array of {self._dtype}")
+        if new._shape != self._shape:
+            raise ValueError(f"an in-place result of shape {new._shape} does not fit an array of shape {self._shape}")
         self._id, new._id = new._id, self._id
 
 
@@ -304,6 +306,13 @@ def _check(name: str, dt: DType, allowed: frozenset[DType]) -> None:
 _RESULT: dict[tuple[Any, ...], DType] = {}
 
 
+def _py_scalar(v: np.generic) -> Any:
+    """A NumPy scalar (``np.float64(2.0)``) as the Python scalar it holds (an extension of the standard)."""
+    if v.dtype.kind not in "biufc":
+        raise TypeError(f"unsupported operand type {type(v).__name__}")
+    return v.item()
+
+
 def unary(name: str, x: RemoteArray) -> RemoteArray:
     if type(x) is RemoteArray:
         out = _RESULT.get((name, id(x._dtype)))
@@ -364,13 +373,17 @@ def _binary(name: str, a: Any, b: Any, ta: bool, tb: bool) -> RemoteArray:
         smask = 0
     elif ta:
         if type(b) not in _Scalar:
-            return NotImplemented
+            if not isinstance(b, np.generic):
+                return NotImplemented
+            b = _py_scalar(b)
         dt, shape, smask = d.scalar_ok(a._dtype, b), a._shape, 2
         if type(b) is complex:
             b, smask = scalar_array(b, dt, a), 0
     elif tb:
         if type(a) not in _Scalar:
-            return NotImplemented
+            if not isinstance(a, np.generic):
+                return NotImplemented
+            a = _py_scalar(a)
         dt, shape, smask = d.scalar_ok(b._dtype, a), b._shape, 1
         if type(a) is complex:
             a, smask = scalar_array(a, dt, b), 0

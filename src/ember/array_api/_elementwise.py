@@ -61,6 +61,8 @@ def clip(x: RemoteArray, /, min: int | float | RemoteArray | None = None,
                 raise TypeError("clip: float bounds need a floating-point array")
             if type(b) is int and x.dtype.kind in "iu":
                 lo, hi = d.INT_RANGE[x.dtype]
+                if b < lo if i == 2 else b > hi:
+                    raise OverflowError(f"clip: bound {b} is out of range for {x.dtype}")
                 b = None if (b <= lo if i == 1 else b >= hi) else b
             smask |= 1 << i
         else:

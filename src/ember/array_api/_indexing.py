@@ -23,7 +23,12 @@ def _items(key: Any) -> tuple[Any, ...]:
     tkey = key if type(key) is tuple else (key,)
     out = []
     for k in tkey:
-        if k is None or k is Ellipsis or type(k) is slice or type(k) is RemoteArray or type(k) is int:
+        if k is None or k is Ellipsis or type(k) is RemoteArray or type(k) is int:
+            out.append(k)
+        elif type(k) is slice:
+            b = (k.start, k.stop, k.step)
+            if any(v is not None and type(v) is not int for v in b):  # e.g. x[:n] with n a 0-d array
+                k = slice(*(None if v is None else operator.index(v) for v in b))
             out.append(k)
         elif isinstance(k, bool) or not hasattr(k, "__index__"):
             raise IndexError(f"unsupported index {k!r}: use ints, slices, None, ..., or ember arrays")

@@ -16,9 +16,10 @@ def normalize_axis(axis: int | tuple[int, ...] | None, ndim: int) -> tuple[int, 
     """Axes as non-negative ints (all of them for None); IndexError when out of range."""
     if axis is None:
         return tuple(range(ndim))
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
-    if any(isinstance(a, bool) or not isinstance(a, int) for a in axes):
+    axes = (axis,) if isinstance(axis, int) or hasattr(axis, "__index__") else tuple(axis)
+    if any(isinstance(a, bool) or not hasattr(a, "__index__") for a in axes):
         raise TypeError(f"axis must be an int or a tuple of ints, got {axis!r}")
+    axes = tuple(int(a) for a in axes)
     out = []
     for a in axes:
         if not -ndim <= a < ndim:

@@ -48,6 +48,8 @@ def diff(x: RemoteArray, /, *, axis: int = -1, n: int = 1, prepend: RemoteArray 
             raise ValueError(f"diff: prepend/append of shape {e.shape} does not fit {x.shape} off axis {a}")
         dt = d.promote(dt, e.dtype)
         length += e.shape[a]
+    if n == 0:  # NumPy's rule (and the oracle's): nothing is differenced, prepend/append are ignored
+        length, dt = x.shape[a], x.dtype
     shape = tuple(max(length - n, 0) if i == a else s for i, s in enumerate(x.shape))
     smask = (2 if prepend is None else 0) | (4 if append is None else 0)
     return emit("diff", [x, prepend, append], smask, {"axis": a, "n": n}, shape, dt)

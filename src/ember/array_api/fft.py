@@ -96,7 +96,7 @@ def _many(name: str, x: RemoteArray, s: Any, axes: Any, norm: str, dt: d.DType, 
         shape[ax[-1]] = last(sizes[-1], s is not None, x.shape[ax[-1]])
         if shape[ax[-1]] < 1:
             raise ValueError(f"fft.{name}: invalid number of points {shape[ax[-1]]}")
-    kw = {"s": None if s is None else sizes, "axes": None if axes is None else ax, "norm": norm}
+    kw = {"s": None if s is None else sizes, "axes": ax, "norm": norm}
     return emit("fft." + name, [x], 0, kw, tuple(shape), dt)
 
 

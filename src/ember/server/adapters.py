@@ -163,8 +163,13 @@ def torch_ops(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
     def unique_counts(x: Any) -> Any:
         return torch.unique(x.reshape(-1), sorted=True, return_counts=True)
 
+    def count_nonzero(x: Any, *, axis: Any = None, keepdims: bool = False) -> Any:
+        if axis == ():  # torch reads an empty dim list as "all dims"
+            return (x != 0).to(torch.int64)
+        return xp.count_nonzero(x, axis=axis, keepdims=keepdims)
+
     table.update({
-        "getitem": getitem, "setitem": setitem,
+        "getitem": getitem, "setitem": setitem, "count_nonzero": count_nonzero,
         "std": moments(xp.std, True), "var": moments(xp.var, False),
         "unique_all": unique_all, "unique_inverse": unique_inverse, "unique_counts": unique_counts,
     })

@@ -62,7 +62,7 @@ class Backend:
         if self.kind == "numpy":
             return np.asarray(x, order="C")
         if self.kind == "torch":
-            return np.asarray(x.detach().cpu().numpy(), order="C")
+            return np.asarray(x.detach().cpu().resolve_conj().resolve_neg().numpy(), order="C")
         if self.kind == "cupy":
             return np.asarray(x.get(), order="C")
         return np.asarray(x, order="C")
