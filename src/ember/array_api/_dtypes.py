@@ -26,8 +26,7 @@ class DType:
     def __eq__(self, other: object) -> bool:
         return self is other
 
-    def __hash__(self) -> int:
-        return hash(self.name)
+    __hash__ = object.__hash__  # singletons compared by identity: a C-level hash keeps set lookups cheap
 
     def __reduce__(self) -> Any:
         return (from_name, (self.name,))

@@ -14,6 +14,7 @@ from typing import Any
 from . import _dtypes as d
 from ._array import RemoteArray, broadcast_shapes, emit, emit_dynamic, same_device, scalar_array
 from ..protocol import codec
+from ..protocol import messages as m
 
 __all__ = ["take", "take_along_axis"]
 
@@ -101,7 +102,63 @@ def _index_shape(shape: tuple[int, ...], items: list[Any]) -> tuple[int, ...] | 
     return tuple(out[:at]) + broadcast_shapes(*adv) + tuple(out[at:])
 
 
+_S, _N, _E = m.KEY_SLICE, m.KEY_NONE, m.KEY_ELLIPSIS
+
+
+def _basic(shape: tuple[int, ...], key: Any) -> tuple[tuple[int, ...], list[Any]] | None:
+    """One pass over a key of plain ints, slices, None and one ellipsis: (result shape, wire key).
+
+    None for anything else (arrays, NumPy ints, ...): the general path handles those.
+    """
+    items = key if type(key) is tuple else (key,)
+    used = 0
+    for k in items:
+        t = type(k)
+        if t is int or t is slice:
+            used += 1
+        elif k is not None and k is not Ellipsis:
+            return None
+    nd = len(shape)
+    if used > nd:
+        raise IndexError(f"too many indices for an array of {nd} dims: the index uses {used}")
+    out: list[int] = []
+    enc: list[Any] = []
+    dim = 0
+    ell = False
+    for k in items:
+        t = type(k)
+        if t is slice:
+            a, b, c = k.start, k.stop, k.step
+            if not ((a is None or type(a) is int) and (b is None or type(b) is int) and (c is None or type(c) is int)):
+                return None
+            out.append(len(range(*k.indices(shape[dim]))))
+            enc.append([_S, a, b, c])
+            dim += 1
+        elif t is int:
+            n = shape[dim]
+            if not -n <= k < n:
+                raise IndexError(f"index {k} is out of bounds for axis {dim} with size {n}")
+            enc.append(k)
+            dim += 1
+        elif k is None:
+            out.append(1)
+            enc.append([_N])
+        else:
+            if ell:
+                raise IndexError("an index can only have a single ellipsis ('...')")
+            ell = True
+            take = nd - used
+            out.extend(shape[dim:dim + take])
+            dim += take
+            enc.append([_E])
+    out.extend(shape[dim:])
+    return tuple(out), enc
+
+
 def getitem(x: RemoteArray, key: Any) -> RemoteArray:
+    plan = _basic(x._shape, key)
+    if plan is not None:  # the common case: no arrays in the key, no round trip, one pass
+        return emit("getitem", [x], 0, {"key": plan[1]}, plan[0], x._dtype)
     items = _items(key)
     arrays = [k for k in items if type(k) is RemoteArray]
     if arrays:
@@ -173,3 +230,8 @@ def take_along_axis(x: RemoteArray, indices: RemoteArray, /, *, axis: int = -1) 
     rest = broadcast_shapes(x.shape[:a] + x.shape[a + 1:], indices.shape[:a] + indices.shape[a + 1:])
     shape = rest[:a] + (indices.shape[a],) + rest[a:]
     return emit("take_along_axis", [x, indices], 0, {"axis": a}, shape, x.dtype)
+
+
+# ``x[key]`` / ``x[key] = v`` call these directly (no per-call import in RemoteArray's methods).
+RemoteArray.__getitem__ = getitem  # type: ignore[method-assign]
+RemoteArray.__setitem__ = setitem  # type: ignore[method-assign]

@@ -89,3 +89,21 @@ def vecdot(x1: RemoteArray, x2: RemoteArray, /, *, axis: int = -1) -> RemoteArra
     full = broadcast_shapes(s1, s2)
     shape = full[:n + a] + full[n + a + 1:]
     return emit("vecdot", [x1, x2], 0, {"axis": a}, shape, dt)
+
+
+def _matmul_op(self: RemoteArray, other: Any) -> Any:
+    return matmul(self, other) if type(other) is RemoteArray else NotImplemented
+
+
+def _rmatmul_op(self: RemoteArray, other: Any) -> Any:
+    return matmul(other, self) if type(other) is RemoteArray else NotImplemented
+
+
+def _imatmul_op(self: RemoteArray, other: Any) -> RemoteArray:
+    self._adopt(matmul(self, other))
+    return self
+
+
+RemoteArray.__matmul__ = _matmul_op  # type: ignore[attr-defined]
+RemoteArray.__rmatmul__ = _rmatmul_op  # type: ignore[attr-defined]
+RemoteArray.__imatmul__ = _imatmul_op  # type: ignore[attr-defined]

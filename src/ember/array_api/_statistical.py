@@ -36,10 +36,34 @@ def reduced_shape(shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool)
     return tuple(n for i, n in enumerate(shape) if i not in axes)
 
 
-def _reduce(name: str, x: RemoteArray, axis: Any, keepdims: bool, dt: DType, **kw: Any) -> RemoteArray:
-    axes = normalize_axis(axis, x.ndim)
-    kwargs: dict[str, Any] = {"axis": list(axes) if axis is not None else None, "keepdims": keepdims, **kw}
-    return emit(name, [x], 0, kwargs, reduced_shape(x.shape, axes, keepdims), dt)
+#: (shape, axis, keepdims, extra kwargs) -> (result shape, op kwargs): a reduction's plan, computed
+#: once per combination (the kwargs dict is shared by the messages that use it; nothing mutates it).
+_PLANS: dict[tuple[Any, ...], tuple[tuple[int, ...], dict[str, Any]]] = {}
+
+
+def reduce_plan(x: RemoteArray, axis: Any, keepdims: bool,
+                extra: tuple[tuple[str, Any], ...] = ()) -> tuple[tuple[int, ...], dict[str, Any]]:
+    key: Any = (x._shape, axis, keepdims, extra)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable axis (a list): no caching
+        plan = key = None
+    if plan is None:
+        axes = normalize_axis(axis, len(x._shape))
+        kwargs: dict[str, Any] = {"axis": list(axes) if axis is not None else None, "keepdims": keepdims}
+        kwargs.update(extra)
+        plan = (reduced_shape(x._shape, axes, keepdims), kwargs)
+        if key is not None:
+            if len(_PLANS) > 4096:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
+def _reduce(name: str, x: RemoteArray, axis: Any, keepdims: bool, dt: DType,
+            extra: tuple[tuple[str, Any], ...] = ()) -> RemoteArray:
+    shape, kwargs = reduce_plan(x, axis, keepdims, extra)
+    return emit(name, [x], 0, kwargs, shape, dt)
 
 
 def accumulate_dtype(x: RemoteArray, dtype: Any) -> DType:
@@ -64,13 +88,13 @@ def _numeric(name: str, x: RemoteArray, allowed: frozenset[DType]) -> None:
 def sum(x: RemoteArray, /, *, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> RemoteArray:
     _numeric("sum", x, d.NUMERIC)
     dt = accumulate_dtype(x, dtype)
-    return _reduce("sum", x, axis, keepdims, dt, dtype=dt.name)
+    return _reduce("sum", x, axis, keepdims, dt, (("dtype", dt.name),))
 
 
 def prod(x: RemoteArray, /, *, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> RemoteArray:
     _numeric("prod", x, d.NUMERIC)
     dt = accumulate_dtype(x, dtype)
-    return _reduce("prod", x, axis, keepdims, dt, dtype=dt.name)
+    return _reduce("prod", x, axis, keepdims, dt, (("dtype", dt.name),))
 
 
 def mean(x: RemoteArray, /, *, axis: Any = None, keepdims: bool = False) -> RemoteArray:
@@ -91,13 +115,17 @@ def max(x: RemoteArray, /, *, axis: Any = None, keepdims: bool = False) -> Remot
 def std(x: RemoteArray, /, *, axis: Any = None, correction: int | float = 0.0,
         keepdims: bool = False) -> RemoteArray:
     _numeric("std", x, d.REAL_FLOAT)
-    return _reduce("std", x, axis, keepdims, x.dtype, correction=correction)
+    if type(correction) not in (int, float):
+        correction = float(correction)
+    return _reduce("std", x, axis, keepdims, x.dtype, (("correction", correction),))
 
 
 def var(x: RemoteArray, /, *, axis: Any = None, correction: int | float = 0.0,
         keepdims: bool = False) -> RemoteArray:
     _numeric("var", x, d.REAL_FLOAT)
-    return _reduce("var", x, axis, keepdims, x.dtype, correction=correction)
+    if type(correction) not in (int, float):
+        correction = float(correction)
+    return _reduce("var", x, axis, keepdims, x.dtype, (("correction", correction),))
 
 
 def _cumulative(name: str, x: RemoteArray, axis: int | None, dtype: Any, include_initial: bool) -> RemoteArray:

@@ -7,7 +7,7 @@ from typing import Any
 
 from . import _dtypes as d
 from ._array import RemoteArray, emit, same_device
-from ._statistical import normalize_axis, reduced_shape
+from ._statistical import normalize_axis, reduce_plan
 
 __all__ = ["all", "any", "diff"]
 
@@ -15,9 +15,8 @@ __all__ = ["all", "any", "diff"]
 def _logical(name: str, x: RemoteArray, axis: Any, keepdims: bool) -> RemoteArray:
     if type(x) is not RemoteArray:
         raise TypeError(f"{name} expects an ember array, got {type(x).__name__}")
-    axes = normalize_axis(axis, x.ndim)
-    kwargs = {"axis": list(axes) if axis is not None else None, "keepdims": keepdims}
-    return emit(name, [x], 0, kwargs, reduced_shape(x.shape, axes, keepdims), d.bool)
+    shape, kwargs = reduce_plan(x, axis, keepdims)
+    return emit(name, [x], 0, kwargs, shape, d.bool)
 
 
 def all(x: RemoteArray, /, *, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> RemoteArray:
