@@ -273,3 +273,19 @@ def test_session_lost_then_reconnect_for_new_work():
         assert float(xp.sum(xp.ones(4, device=d))) == 4.0  # new work reconnects
     finally:
         srv2.close()
+
+
+def test_upload_over_max_tensor_poisons_that_tensor_only():
+    srv = Server(["cpu"], max_tensor=1000)
+    srv.listen_websocket("127.0.0.1", 0)
+    addr = srv.start_in_thread()[0]
+    try:
+        d = ember.connect(addr)
+        big = xp.asarray(np.zeros(1000), device=d)  # 8000 bytes
+        small = xp.asarray(np.ones(10), device=d)
+        with pytest.raises(RemoteExecutionError, match="max_tensor"):
+            big.to_numpy()
+        assert float(xp.sum(small)) == 10.0
+        d.close()
+    finally:
+        srv.close()

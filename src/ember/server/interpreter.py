@@ -57,6 +57,10 @@ def build_table(backend: Backend) -> dict[str, Callable[..., Any]]:
     return table
 
 
+#: Chunked uploads one session may have half-sent at once (each holds a buffer of its full size).
+MAX_PARTIAL_UPLOADS = 64
+
+
 class UnknownOp(LookupError):
     """A name that is neither a whitelisted function nor a registered custom op."""
 
@@ -412,11 +416,15 @@ class Interpreter:
     def upload(self, msg: list[Any], out: list[list[Any]]) -> None:
         _, tid, dtype, shape, offset, data, total = msg
         if total > self.limits["max_tensor"]:
-            raise LimitExceeded(f"upload of {total} bytes exceeds this peer's max_tensor of {self.limits['max_tensor']}")
+            return self._fail("upload", [], 0, [tid], LimitExceeded(
+                f"upload of {total} bytes exceeds this peer's max_tensor of {self.limits['max_tensor']} bytes"))
         if offset == 0 and len(data) == total:
             buf: Any = data
         else:
             if offset == 0:
+                if len(self._uploads) >= MAX_PARTIAL_UPLOADS:
+                    return self._fail("upload", [], 0, [tid], LimitExceeded(
+                        f"more than {MAX_PARTIAL_UPLOADS} chunked uploads in progress in one session"))
                 self._uploads[tid] = (bytearray(total), dtype, shape)
             buf = self._uploads[tid][0]
             buf[offset:offset + len(data)] = data
