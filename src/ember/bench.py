@@ -64,7 +64,7 @@ class Config:
     sizes: tuple[int, ...] = (16 * MiB, 256 * MiB)
     big_repeat: int = 3
     steps: int = 30
-    rpyc_calls: int = 300
+    rpyc_calls: int = 60
 
     @classmethod
     def make(cls, quick: bool, repeat: int | None) -> "Config":
@@ -127,9 +127,20 @@ def child_main(core: int | None, iroh_on: bool) -> None:
         info["tcp"] = tcp.sockets[0].getsockname()[1]
         info["wsecho"] = await _ws_echo_server()
         info["rpyc"] = _rpyc_server()
+        frames_lst = None
+        if iroh_on and iroh_lst is not None:
+            try:
+                from .transport.iroh import IrohListener
+                frames_lst = IrohListener(offline=True, bind=["127.0.0.1:0"])
+                await frames_lst.start(_frames_baseline)
+                info["iroh_frames"] = frames_lst.ticket
+            except Exception as e:  # noqa: BLE001
+                info["iroh_frames_error"] = f"{type(e).__name__}: {e}"
         print(json.dumps(info), flush=True)
         await loop.run_in_executor(None, sys.stdin.read)  # until the parent closes our stdin
         tcp.close()
+        if frames_lst is not None:
+            await frames_lst.stop()
         await srv.stop()
 
     asyncio.run(main())
@@ -167,6 +178,42 @@ async def _tcp_baseline(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> Non
         return
     finally:
         w.close()
+
+
+async def _frames_baseline(conn: Any) -> None:
+    """Raw frames over one iroh stream (no Ember session): ``E``: echo; ``U`` + n: swallow n bytes of
+    frames, answer ok; ``D`` + n: send n bytes in 1 MiB frames."""
+    payload = b""
+    try:
+        while True:
+            f = await conn.recv()
+            if f is None:
+                return
+            kind = bytes(f[:1])
+            if kind == b"E":
+                await conn.send(f)
+            elif kind == b"U":
+                left = int.from_bytes(f[1:9], "little")
+                while left > 0:
+                    g = await conn.recv()
+                    if g is None:
+                        return
+                    left -= len(g)
+                await conn.send(b"ok")
+            elif kind == b"D":
+                n = int.from_bytes(f[1:9], "little")
+                if len(payload) < n:
+                    payload = bytes(n)
+                mv = memoryview(payload)
+                for off in range(0, n, MiB):
+                    await conn.send(mv[off:off + MiB])
+    except Exception:  # noqa: BLE001 - the client went away
+        return
+    finally:
+        try:
+            await conn.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 async def _ws_echo_server() -> str | None:
@@ -418,6 +465,46 @@ def ws_echo_latency(url: str, n: int) -> list[float]:
     return asyncio.run(go())
 
 
+def iroh_frames(ticket: str, n: int, sizes: tuple[int, ...]) -> dict[str, Any]:
+    """Round trips of a 32-byte frame and bulk frames over one raw iroh stream (no Ember session)."""
+    from .transport.iroh import close_client, dial
+
+    async def go() -> dict[str, Any]:
+        conn = await dial(ticket, timeout=30.0)
+        try:
+            msg = b"E" + b"x" * 31
+            lat = []
+            for _ in range(n + max(20, n // 20)):
+                t0 = time.perf_counter()
+                await conn.send(msg)
+                await conn.recv()
+                lat.append(time.perf_counter() - t0)
+            out: dict[str, Any] = {"lat": lat[-n:]}
+            for size in sizes:
+                data = memoryview(bytes(size))
+                t0 = time.perf_counter()
+                await conn.send(b"U" + size.to_bytes(8, "little"))
+                for off in range(0, size, MiB):
+                    await conn.send(data[off:off + MiB])
+                await conn.recv()
+                t_up = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                await conn.send(b"D" + size.to_bytes(8, "little"))
+                got = 0
+                while got < size:
+                    f = await conn.recv()
+                    if f is None:
+                        raise ConnectionError("baseline server closed")
+                    got += len(f)
+                t_down = time.perf_counter() - t0
+                out[size] = (size / t_up / 1e6, size / t_down / 1e6)
+            return out
+        finally:
+            await conn.close()
+            await close_client()
+    return asyncio.run(go())
+
+
 def thread_hop_latency(n: int) -> list[float]:
     """User thread -> asyncio loop thread -> user thread: the floor of the in-memory link."""
     loop = asyncio.new_event_loop()
@@ -575,6 +662,18 @@ class Suite:
                 tag = f"{size // MiB}MiB"
                 self.put(f"upload_{tag}_MBps", "tcp", _entry(list(up), "MB/s"))
                 self.put(f"download_{tag}_MBps", "tcp", _entry(list(down), "MB/s"))
+        if info.get("iroh_frames") and "iroh" in self.transports and (
+                "latency" in self.figures or "bandwidth" in self.figures):
+            sizes = self.cfg.sizes if "bandwidth" in self.figures else ()
+            runs = [iroh_frames(info["iroh_frames"], cfg.latency_samples if "latency" in self.figures else 10, sizes)
+                    for _ in range(cfg.repeat)]
+            if "latency" in self.figures:
+                self.put("latency_p50_us", "iroh_frames", _entry([_pct(r["lat"], 0.5) * 1e6 for r in runs], "µs"))
+                self.put("latency_p99_us", "iroh_frames", _entry([_pct(r["lat"], 0.99) * 1e6 for r in runs], "µs"))
+            for size in sizes:
+                tag = f"{size // MiB}MiB"
+                self.put(f"upload_{tag}_MBps", "iroh_frames", _entry([r[size][0] for r in runs], "MB/s"))
+                self.put(f"download_{tag}_MBps", "iroh_frames", _entry([r[size][1] for r in runs], "MB/s"))
         if info.get("rpyc") and ("pipelined" in self.figures or "latency" in self.figures):
             runs = [rpyc_calls(info["rpyc"], cfg.rpyc_calls) for _ in range(cfg.repeat)]
             if "pipelined" in self.figures:
@@ -617,7 +716,7 @@ _ROWS = [
     ("graph_step_off_us", "step time, graphs off (µs)", "{:,.0f}"),
     ("graph_step_on_us", "step time, graphs on (µs)", "{:,.0f}"),
 ]
-_BASE_COLS = ("numpy", "tcp", "ws_echo", "thread_hop", "rpyc")
+_BASE_COLS = ("numpy", "tcp", "ws_echo", "iroh_frames", "thread_hop", "rpyc")
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -650,6 +749,7 @@ def format_table(report: dict[str, Any]) -> str:
     out.append(f"medians of {m['repeat']} runs; client on core {pin['client']}, server process on core {pin['server']}"
                if pin else f"medians of {m['repeat']} runs; not pinned ({m['cpus']} CPUs)")
     out.append("baselines: numpy = the chain in local NumPy; tcp = raw asyncio TCP; ws_echo = websockets echo; "
+               "iroh_frames = raw frames on one iroh stream (Ember's transport, no session); "
                "thread_hop = asyncio call_soon_threadsafe round trip; rpyc = rpyc driving remote NumPy, one call per op")
     for t, why in m.get("skipped", {}).items():
         out.append(f"skipped {t}: {why}")
@@ -672,7 +772,7 @@ def write_chart(report: dict[str, Any], path: str) -> str | None:
         axes[0].bar(cols, [figs["pipelined_ops_s"][c]["median"] for c in cols], color="#d2691e")
         axes[0].set_yscale("log")
         axes[0].set_title("pipelined small ops (ops/s, log)")
-    bcols = [c for c in TRANSPORTS + ("tcp",) if any(c in figs[k] for k in bw_keys)]
+    bcols = [c for c in TRANSPORTS + ("tcp", "iroh_frames") if any(c in figs[k] for k in bw_keys)]
     width = 0.8 / max(1, len(bcols))
     for i, c in enumerate(bcols):
         xs = [j + i * width for j in range(len(bw_keys))]

@@ -54,6 +54,7 @@ class Session:
         self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.inbox: queue.SimpleQueue[list[list[Any]] | None] = queue.SimpleQueue()
         self.alive = True
+        self.sending = False  # a frame is being sent (by the sender task, or inline by the pump)
         self.queued = 0  # batches handed to the worker (written by the loop)
         self.done = 0    # batches the worker finished (written by the worker)
         self.inline = bool(getattr(server, "inline_small", True))
@@ -97,17 +98,18 @@ class Session:
             finally:
                 self.done += 1
 
-    def submit(self, batch: list[list[Any]]) -> None:
-        """On the loop: run a tiny, cheap batch inline when the worker is idle, else queue it."""
+    def submit(self, batch: list[list[Any]]) -> bool:
+        """On the loop: run a tiny, cheap batch inline when the worker is idle (True), else queue it."""
         if self.inline and self.queued == self.done and self.interp.cheap(batch):
             try:
                 with np.errstate(all="ignore"):
                     self.interp.run_batch(batch)
             except Exception:
                 log.exception("session %s: batch failed", self.session_id.hex()[:8])
-            return
+            return True
         self.queued += 1
         self.inbox.put(batch)
+        return False
 
     def stop(self) -> None:
         self.alive = False
@@ -120,7 +122,27 @@ async def _send_loop(session: Session) -> None:
         frame = await outbox.get()
         if frame is None:
             return
-        await conn.send(frame)
+        session.sending = True
+        try:
+            await conn.send(frame)
+        finally:
+            session.sending = False
+
+
+async def _send_now(session: Session) -> None:
+    """Send what an inline batch answered from the pump itself, a loop turn sooner than the sender
+    task would (only while that task is idle, so frames keep their order)."""
+    outbox, conn = session.outbox, session.conn
+    while not session.sending and not outbox.empty():
+        frame = outbox.get_nowait()
+        if frame is None:
+            outbox.put_nowait(None)
+            return
+        session.sending = True
+        try:
+            await conn.send(frame)
+        finally:
+            session.sending = False
 
 
 async def _handshake(server: "Server", conn: FrameConnection, first: bytes) -> dict[str, Any] | None:
@@ -204,7 +226,8 @@ async def drive_session(server: "Server", conn: FrameConnection) -> None:
                     if msg[0] == m.EXPOSE and len(msg) == 6 and isinstance(msg[2], bytes) \
                             and isinstance(msg[5], (int, float)):
                         server.transfers.announce(msg[2], float(msg[5]))
-            session.submit(batch)
+            if session.submit(batch) and not session.sending:
+                await _send_now(session)
             if batch[-1][0] == m.CLOSE:
                 break
     except (ConnectionError, OSError, asyncio.IncompleteReadError) as e:
