@@ -63,14 +63,14 @@ class Config:
     latency_samples: int = 2000
     sizes: tuple[int, ...] = (16 * MiB, 256 * MiB)
     big_repeat: int = 3
-    steps: int = 30
+    steps: int = 200
     rpyc_calls: int = 60
 
     @classmethod
     def make(cls, quick: bool, repeat: int | None) -> "Config":
         if quick:
             c = cls(quick=True, repeat=2, chain=2000, latency_samples=200, sizes=(1 * MiB, 4 * MiB),
-                    big_repeat=1, steps=8, rpyc_calls=10)
+                    big_repeat=1, steps=12, rpyc_calls=10)
         else:
             c = cls()
         if repeat:
@@ -380,28 +380,34 @@ def training_state(xp: Any, dev: Any) -> dict[str, Any]:
             "v1": arr(np.zeros((32, 64))), "v2": arr(np.zeros((64, 8)))}
 
 
-def ember_graph_steps(address: str, steps: int, graphs: bool) -> dict[str, Any]:
-    """Run the training step ``steps`` times (one read each): bytes sent per step and step times."""
+def ember_graph_steps(address: str, steps: int) -> dict[bool, dict[str, Any]]:
+    """The training step ``steps`` times (one read each) on two sessions, graph caching on and off,
+    alternating step by step so both see the same machine: bytes sent and wall time per step."""
     import ember
     import ember.array_api as xp
-    dev = ember.connect(address, graphs=graphs)
+    devs = {g: ember.connect(address, graphs=g) for g in (True, False)}
     try:
-        st = training_state(xp, dev)
-        dev.sync()
-        s = dev.session
-        sizes, times, losses = [], [], []
+        states = {g: training_state(xp, d) for g, d in devs.items()}
+        for d in devs.values():
+            d.sync()
+        res: dict[bool, dict[str, Any]] = {g: {"bytes": [], "times": [], "losses": []} for g in devs}
         for i in range(steps):
-            b0 = s.stats["bytes_sent"]
-            t0 = time.perf_counter()
-            loss, _acc = training_step(xp, st, 0.05 / (1 + 0.01 * i))
-            losses.append(float(loss))
-            times.append(time.perf_counter() - t0)
-            sizes.append(s.stats["bytes_sent"] - b0)
-        n_ops = s.stats["replayed_ops"] // max(1, s.stats["replays"]) if graphs else None
-        return {"bytes": sizes, "times": times, "losses": losses, "replays": s.stats["replays"],
-                "ops_per_step": n_ops}
+            for g, d in devs.items():
+                s, r = d.session, res[g]
+                b0 = s.stats["bytes_sent"]
+                t0 = time.perf_counter()
+                loss, _acc = training_step(xp, states[g], 0.05 / (1 + 0.01 * i))
+                r["losses"].append(float(loss))
+                r["times"].append(time.perf_counter() - t0)
+                r["bytes"].append(s.stats["bytes_sent"] - b0)
+        for g, d in devs.items():
+            st = d.session.stats
+            res[g]["replays"] = st["replays"]
+            res[g]["ops_per_step"] = st["replayed_ops"] // max(1, st["replays"]) if g else None
+        return res
     finally:
-        dev.close()
+        for d in devs.values():
+            d.close()
 
 
 # ---- baselines --------------------------------------------------------------------------
@@ -625,15 +631,15 @@ class Suite:
         finally:
             dev.close()
         if "graphs" in self.figures:
-            on = ember_graph_steps(address, cfg.steps, True)
-            off = ember_graph_steps(address, cfg.steps, False)
+            both = ember_graph_steps(address, cfg.steps)
+            on, off = both[True], both[False]
             if on["losses"] != off["losses"]:
                 raise AssertionError(f"{t}: graph caching changed the results")
             first, replayed = on["bytes"][0], _median(on["bytes"][2:])
             self.put("graph_bytes_first", t, _entry([first], "bytes"))
             self.put("graph_bytes_replayed", t, _entry([replayed], "bytes"))
             self.put("graph_wire_ratio", t, _entry([first / replayed if replayed else float("inf")], "×"))
-            warm = max(1, cfg.steps // 3)
+            warm = min(10, cfg.steps // 3)
             self.put("graph_step_off_us", t, _entry([_median(off["times"][warm:]) * 1e6], "µs"))
             self.put("graph_step_on_us", t, _entry([_median(on["times"][warm:]) * 1e6], "µs"))
             self.put("graph_ops_per_step", t, _entry([on["ops_per_step"] or 0], "ops"))
