@@ -283,3 +283,38 @@ def test_threads_recording_concurrently_stay_correct(connect: Callable[..., embe
     for t in ts:
         t.join(60)
     assert not errors, errors
+
+
+def test_a_loop_without_reads_is_cut_on_its_period_and_replayed(connect: Callable[..., ember.Device]) -> None:
+    """No boundary for 60 steps: the op stream's period makes soft boundaries (results unchanged)."""
+    def run(dev: ember.Device) -> tuple[list[float], dict[str, int]]:
+        x = xp.asarray(np.linspace(-1.0, 1.0, 32), device=dev)
+        w = xp.asarray(np.ones(32) * 0.5, device=dev)
+        out = []
+        for rnd in range(3):
+            for i in range(60):   # 11 ops per step, no read
+                y = xp.tanh(x * w + 0.1) * 2.0 - x
+                g = xp.mean(y * y) * 0.01
+                w = w - g * (0.5 + 0.001 * i)
+                w = xp.clip(w, -2.0, 2.0)
+            out.append(float(xp.sum(w)))
+        return out, dev.stats()
+
+    (r0, s0), (r1, s1) = run(connect(graphs=False)), run(connect(graph_min_period=32))
+    assert r0 == r1
+    assert s1["replays"] >= 20 and s1["replayed_ops"] >= 1000, s1
+    r2, s2 = run(connect())  # the default period floor (128 ops: 12 steps a group)
+    assert r2 == r0 and s2["replays"] >= 6
+    assert s1["bytes_sent"] * 2 < s0["bytes_sent"]  # (the first ~500 ops go out as they are)
+
+
+def test_a_periodic_stream_that_changes_falls_back(connect: Callable[..., ember.Device]) -> None:
+    def run(dev: ember.Device) -> list[float]:
+        x = xp.asarray(np.full(8, 0.5), device=dev)
+        for i in range(400):
+            x = x * 0.99 + 0.01          # period 2 ...
+        for i in range(300):
+            x = xp.sin(x) if i % 3 else xp.cos(x) * 1.0   # ... then another pattern
+        return x.to_numpy().tolist()
+
+    assert run(connect(graphs=False)) == run(connect())

@@ -13,6 +13,11 @@ extra I/O-thread wake-up on every op + read round trip).
 Op-graph caching (``graphs=True``, see :mod:`ember.client.graph`): a group of
 ops that recurs between two boundaries (reads, uploads...) is held instead of
 queued while it matches the previous such group, and goes out as one REPLAY.
+A loop with no boundary in it (a training loop that reads its loss only now
+and then) is one long run of ops; once it outgrows a graph the session looks
+for a period in its op names and, if there is one, cuts the run every period
+(at least ``graph_min_period`` ops, so the per-group cost stays small) with
+*soft* boundaries, so each period is a group and gets replayed.
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ class ClientSession:
                  address: str, device: int, read_timeout: float = 300.0, idle_flush: float = 0.002,
                  max_batch: int = 512, heartbeat_interval: float = 1.0, heartbeat_timeout: float = 5.0,
                  graphs: bool = True, graph_min_ops: int = 8, graph_max_ops: int = 1024,
-                 graph_hold: float = 0.02) -> None:
+                 graph_hold: float = 0.02, graph_min_period: int = 128) -> None:
         self.conn = conn
         self.welcome = welcome
         self.loop = loop
@@ -107,11 +112,13 @@ class ClientSession:
         self._g_on = bool(graphs) and gcap > 0
         self._g_min, self._g_max = max(2, graph_min_ops), min(graph_max_ops, max_batch, m.MAX_GRAPH_OPS)
         self.graph_hold = graph_hold
+        self.graph_min_period = graph_min_period
         self._grp: list[list[Any]] | None = [] if self._g_on else None
         self._grp_drops: list[int] = []
         self._cand: Candidate | None = None
         self._cands: dict[str, list[Candidate]] = {}  # by first op name, most recent first
         self._hold_t0 = 0.0
+        self._period = -1  # > 0: the op stream repeats every _period ops (groups end there too)
         self._gtable = GraphTable(gcap)
         self._wake = asyncio.Event()
         self._last_recv = time.monotonic()
@@ -128,22 +135,26 @@ class ClientSession:
             g = self._grp
             if msg[0] == _OP:
                 if g is not None:
+                    n = len(g)
+                    if n == self._period:  # the stream repeats every _period ops: a soft boundary
+                        self._end_group()
+                        g, n = self._grp, 0
+                        assert g is not None
                     c = self._cand
                     if c is not None:  # holding: does the group still follow a candidate?
-                        n = len(g)
                         if n < c.n and msg[1] == c.names[n] or self._switch_candidate(n, msg[1]):
                             g.append(msg)
                             return
                         self._release_held()
-                    elif not g:  # first op of a group
+                        self._period = -1  # the stream left its period
+                    elif not n:  # first op of a group
                         cl = self._cands.get(msg[1])
                         if cl:
                             self._start_hold(cl[0], msg)
                             return
                     g.append(msg)
-                    if len(g) > self._g_max:
-                        self._grp = None  # too long to be a graph: stop capturing until the next boundary
-                        self._grp_drops = []
+                    if n >= self._g_max:
+                        self._too_long(g)
             elif g is None or g:
                 self._end_group()
             p = self._pending
@@ -178,6 +189,20 @@ class ClientSession:
                 self._cand = other
                 return True
         return False
+
+    def _too_long(self, g: list[list[Any]]) -> None:
+        """The group outgrew a graph. If the ops repeat with a period (a loop with no read in it),
+        realign the group on that period so that soft boundaries cut it into equal steps; else stop
+        capturing until the next boundary."""
+        names = [msg[1] for msg in g]
+        n = len(names)
+        for p in range(max(self._g_min, self.graph_min_period), n // 2 + 1):
+            if names[p:] == names[:-p]:
+                self._period = p
+                self._grp = g[n - n % p:]  # the current, partial period: its first ops went out as they are
+                return
+        self._grp = None
+        self._grp_drops = []
 
     def _release_held(self) -> None:
         """The held group diverged from its candidate (or was held too long): send its ops as they are."""
