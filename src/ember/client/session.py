@@ -119,6 +119,7 @@ class ClientSession:
         self._cands: dict[str, list[Candidate]] = {}  # by first op name, most recent first
         self._hold_t0 = 0.0
         self._period = -1  # > 0: the op stream repeats every _period ops (groups end there too)
+        self._misses = 0   # periods in a row that did not replay
         self._gtable = GraphTable(gcap)
         self._wake = asyncio.Event()
         self._last_recv = time.monotonic()
@@ -137,7 +138,7 @@ class ClientSession:
                 if g is not None:
                     n = len(g)
                     if n == self._period:  # the stream repeats every _period ops: a soft boundary
-                        self._end_group()
+                        self._soft_boundary()
                         g, n = self._grp, 0
                         assert g is not None
                     c = self._cand
@@ -146,7 +147,6 @@ class ClientSession:
                             g.append(msg)
                             return
                         self._release_held()
-                        self._period = -1  # the stream left its period
                     elif not n:  # first op of a group
                         cl = self._cands.get(msg[1])
                         if cl:
@@ -190,6 +190,17 @@ class ClientSession:
                 return True
         return False
 
+    def _soft_boundary(self) -> None:
+        """End a period's group; after several periods in a row that did not replay, stop cutting."""
+        replays = self.stats["replays"]
+        self._end_group()
+        if self.stats["replays"] != replays:
+            self._misses = 0
+        else:
+            self._misses += 1
+            if self._misses > 4:
+                self._period = -1
+
     def _too_long(self, g: list[list[Any]]) -> None:
         """The group outgrew a graph. If the ops repeat with a period (a loop with no read in it),
         realign the group on that period so that soft boundaries cut it into equal steps; else stop
@@ -197,9 +208,10 @@ class ClientSession:
         names = [msg[1] for msg in g]
         n = len(names)
         for p in range(max(self._g_min, self.graph_min_period), n // 2 + 1):
-            if names[p:] == names[:-p]:
-                self._period = p
-                self._grp = g[n - n % p:]  # the current, partial period: its first ops went out as they are
+            if names[n - 2 * p:n - p] == names[n - p:]:  # the last two periods are the same ops
+                self._period, self._misses = p, 0
+                self._grp = []  # cut here: from the next op on, every p ops are a group
+                self._grp_drops = []
                 return
         self._grp = None
         self._grp_drops = []
