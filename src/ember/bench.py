@@ -3,8 +3,9 @@
 Figures (each over the in-memory link, WebSocket and iroh, repeated; medians reported):
 
 * ``pipelined``  a chain of 10,000 elementwise ops on 16-element arrays, one read at
-  the end (ops/s). Baseline: the same chain in local NumPy; rpyc driving remote NumPy
-  (one call per op) where rpyc is installed.
+  the end (ops/s), with graph caching on (the default: the chain is periodic, so after
+  ~500 ops it is replayed in 128-op graphs) and off. Baseline: the same chain in local
+  NumPy; rpyc driving remote NumPy (one call per op) where rpyc is installed.
 * ``latency``    op + read of a 1-element array, p50 and p99 (µs). Baselines: raw
   asyncio TCP round trip of a small message; a WebSocket echo; an asyncio
   thread-hop round trip (the floor of the in-memory link); rpyc per call.
@@ -610,9 +611,18 @@ class Suite:
         dev = ember.connect(address, timeout=30.0)
         try:
             if "pipelined" in self.figures:
-                ember_pipelined(dev, min(cfg.chain, 2000))  # warm up
-                runs = [ember_pipelined(dev, cfg.chain) for _ in range(cfg.repeat)]
+                raw = ember.connect(address, timeout=30.0, graphs=False)
+                try:
+                    for d in (dev, raw):
+                        ember_pipelined(d, min(cfg.chain, 2000))  # warm up
+                    runs, raw_runs = [], []
+                    for _ in range(cfg.repeat):  # alternate: both see the same machine
+                        runs.append(ember_pipelined(dev, cfg.chain))
+                        raw_runs.append(ember_pipelined(raw, cfg.chain))
+                finally:
+                    raw.close()
                 self.put("pipelined_ops_s", t, _entry(runs, "ops/s"))
+                self.put("pipelined_ops_s_nographs", t, _entry(raw_runs, "ops/s"))
             if "latency" in self.figures:
                 p50, p99 = [], []
                 for _ in range(cfg.repeat):
@@ -705,6 +715,7 @@ class Suite:
 
 _ROWS = [
     ("pipelined_ops_s", "pipelined small ops (ops/s)", "{:,.0f}"),
+    ("pipelined_ops_s_nographs", "  same, graph caching off", "{:,.0f}"),
     ("latency_p50_us", "op+read 1 elem p50 (µs)", "{:,.0f}"),
     ("latency_p99_us", "op+read 1 elem p99 (µs)", "{:,.0f}"),
     ("upload_1MiB_MBps", "upload 1 MiB (MB/s)", "{:,.0f}"),
