@@ -65,6 +65,14 @@ class UnknownOp(LookupError):
     """A name that is neither a whitelisted function nor a registered custom op."""
 
 
+def store_results(store: Any, outs: list[int], res: Any, name: str) -> None:
+    """Put a multi-output op's results under their ids (or registers)."""
+    if len(res) != len(outs):
+        raise ValueError(f"{name} returned {len(res)} results for {len(outs)} outputs")
+    for o, r in zip(outs, res):
+        store[o] = r
+
+
 class Poison:
     """Why a tensor has no value."""
 
@@ -260,10 +268,7 @@ class Interpreter:
             if len(outs) == 1:
                 t[outs[0]] = res
             else:
-                if len(res) != len(outs):
-                    raise ValueError(f"{name} returned {len(res)} results for {len(outs)} outputs")
-                for o, r in zip(outs, res):
-                    t[o] = r
+                store_results(t, outs, res, name)
         except Exception as e:
             self._fail(name if isinstance(name, str) else repr(name), args, smask, outs, e)
 
@@ -352,10 +357,7 @@ class Interpreter:
                 if len(oregs) == 1:
                     R[oregs[0]] = res
                 else:
-                    if len(res) != len(oregs):
-                        raise ValueError(f"{name} returned {len(res)} results for {len(oregs)} outputs")
-                    for o, r in zip(oregs, res):
-                        R[o] = r
+                    store_results(R, oregs, res, name)
             except Exception as e:
                 p = self._replay_poison(name, [R[r] for r in tregs], e)
                 for o in oregs:
