@@ -117,32 +117,33 @@ class Session:
 
 
 async def _send_loop(session: Session) -> None:
-    conn, outbox = session.conn, session.outbox
+    outbox = session.outbox
     while True:
         frame = await outbox.get()
         if frame is None:
             return
-        session.sending = True
-        try:
-            await conn.send(frame)
-        finally:
-            session.sending = False
+        await _send_marked(session, frame)
+
+
+async def _send_marked(session: Session, frame: bytes) -> None:
+    """Send one frame with ``session.sending`` raised meanwhile (so frames keep their order)."""
+    session.sending = True
+    try:
+        await session.conn.send(frame)
+    finally:
+        session.sending = False
 
 
 async def _send_now(session: Session) -> None:
     """Send what an inline batch answered from the pump itself, a loop turn sooner than the sender
     task would (only while that task is idle, so frames keep their order)."""
-    outbox, conn = session.outbox, session.conn
+    outbox = session.outbox
     while not session.sending and not outbox.empty():
         frame = outbox.get_nowait()
         if frame is None:
             outbox.put_nowait(None)
             return
-        session.sending = True
-        try:
-            await conn.send(frame)
-        finally:
-            session.sending = False
+        await _send_marked(session, frame)
 
 
 async def _handshake(server: "Server", conn: FrameConnection, first: bytes) -> dict[str, Any] | None:
