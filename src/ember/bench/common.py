@@ -1,0 +1,60 @@
+"""Shared pieces of ``ember bench``: sizes, transports, figures, targets, the run configuration and
+the statistics helpers."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+MiB = 1 << 20
+TRANSPORTS = ("memory", "websocket", "iroh")
+FIGURES = ("pipelined", "latency", "bandwidth", "graphs")
+
+#: figure key -> transport -> (comparison, target). Values are in the units of the key.
+TARGETS: dict[str, dict[str, tuple[str, float]]] = {
+    "pipelined_ops_s": {"websocket": (">=", 100_000), "iroh": (">=", 50_000)},
+    "latency_p50_us": {"websocket": ("<=", 100), "iroh": ("<=", 300)},
+    "upload_16MiB_MBps": {"websocket": (">=", 1000), "iroh": (">=", 250)},
+    "download_16MiB_MBps": {"websocket": (">=", 1000), "iroh": (">=", 250)},
+    "upload_256MiB_MBps": {"websocket": (">=", 1000), "iroh": (">=", 250)},
+    "download_256MiB_MBps": {"websocket": (">=", 1000), "iroh": (">=", 250)},
+    "graph_wire_ratio": {"websocket": (">=", 10), "iroh": (">=", 10)},
+}
+
+
+@dataclass
+class Config:
+    quick: bool = False
+    repeat: int = 5
+    chain: int = 10_000
+    latency_samples: int = 2000
+    sizes: tuple[int, ...] = (16 * MiB, 256 * MiB)
+    big_repeat: int = 3
+    steps: int = 200
+    rpyc_calls: int = 60
+
+    @classmethod
+    def make(cls, quick: bool, repeat: int | None) -> "Config":
+        if quick:
+            c = cls(quick=True, repeat=2, chain=2000, latency_samples=200, sizes=(1 * MiB, 4 * MiB),
+                    big_repeat=1, steps=12, rpyc_calls=10)
+        else:
+            c = cls()
+        if repeat:
+            c.repeat = repeat
+            c.big_repeat = min(c.big_repeat, repeat)
+        return c
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _entry(runs: list[float], unit: str) -> dict[str, Any]:
+    return {"median": _median(runs), "runs": runs, "unit": unit}
