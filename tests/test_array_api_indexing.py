@@ -20,7 +20,7 @@ from ember.array_api import _dtypes as D
 from ember.protocol import messages as m
 from test_conformance import Peer, compare, dtypes, given_data, peer, plain, shapes  # noqa: F401
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.timeout(300)]  # JAX compiles
 
 
 class Requests:

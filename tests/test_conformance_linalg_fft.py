@@ -13,7 +13,7 @@ from hypothesis.extra import numpy as hnp
 from ember.array_api import _dtypes as D
 from test_conformance import Peer, check, dtypes, given_data, peer, plain, shapes  # noqa: F401
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.timeout(300)]  # JAX compiles
 
 
 def tol(dt: D.DType) -> dict[str, float]:

@@ -27,10 +27,10 @@ Y_CLASS = np.where(X[:, 0] + 0.3 * rng.standard_normal(60) > 0, 1, 0) + (X[:, 2]
 Y_REG = X @ np.linspace(-1, 1, 6) + 0.5 + 0.01 * rng.standard_normal(60)
 
 
-@pytest.fixture(scope="module", params=["cpu", "torch:cpu"])
+@pytest.fixture(scope="module", params=["cpu", "torch:cpu"] + (["jax:cpu"] if os.environ.get("EMBER_TEST_JAX") else []))
 def dev(request: pytest.FixtureRequest) -> Iterator[ember.Device]:
-    if request.param.startswith("torch"):
-        pytest.importorskip("torch")
+    if request.param != "cpu":
+        pytest.importorskip(request.param.split(":")[0])
     srv = Server([request.param])
     srv.listen_websocket("127.0.0.1", 0)
     srv.start_in_thread()

@@ -178,10 +178,47 @@ def torch_ops(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
 # ---- JAX -----------------------------------------------------------------------------------
 
 def jax_ops(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
+    from ..protocol import ops
+
     def setitem(x: Any, value: Any, *arrays: Any, key: list[Any]) -> Any:
         return x.at[codec.decode_key(key, list(arrays))].set(value)
 
+    def big_ints(f: Fn) -> Fn:
+        """JAX cannot take a Python int beyond int64 (a uint64 operand): pass it as a 0-d array."""
+        def g(a: Any, b: Any) -> Any:
+            if type(b) is int and not -(1 << 63) <= b < 1 << 63:
+                b = xp.asarray(b, dtype=a.dtype)
+            elif type(a) is int and not -(1 << 63) <= a < 1 << 63:
+                a = xp.asarray(a, dtype=b.dtype)
+            return f(a, b)
+        return g
+
+    def pow_(a: Any, b: Any) -> Any:  # jnp.power keeps x1's dtype for integer arrays
+        if hasattr(a, "dtype") and hasattr(b, "dtype") and a.dtype != b.dtype:
+            t = xp.result_type(a, b)
+            a, b = xp.astype(a, t), xp.astype(b, t)
+        return xp.pow(a, b)
+
+    def index_dtype(f: Fn) -> Fn:
+        """Index results as int64 (JAX returns int32 from some, e.g. searchsorted)."""
+        def g(*a: Any, **k: Any) -> Any:
+            r = f(*a, **k)
+            return r if r.dtype == xp.int64 else xp.astype(r, xp.int64)
+        return g
+
+    for name in ops.ELEMENTWISE:
+        if name in table and name in _BINARY:
+            table[name] = big_ints(table[name])
+    table["pow"] = big_ints(pow_)
+    for name in ("searchsorted", "argmax", "argmin", "argsort", "count_nonzero", "linalg.matrix_rank"):
+        if name in table:
+            table[name] = index_dtype(table[name])
     table["setitem"] = setitem
+
+
+_BINARY = frozenset("""add atan2 bitwise_and bitwise_left_shift bitwise_or bitwise_right_shift bitwise_xor copysign
+divide equal floor_divide greater greater_equal hypot less less_equal logaddexp logical_and logical_or logical_xor
+maximum minimum multiply nextafter not_equal pow remainder subtract""".split())
 
 
 BY_KIND: dict[str, Callable[[Any, Any, dict[str, Fn]], None]] = {"torch": torch_ops, "jax": jax_ops}
