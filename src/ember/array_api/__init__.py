@@ -5,6 +5,24 @@ and dtype here, records an op on the device of its inputs (or ``device=`` / the
 default device for creation) and returns at once; values travel only when read.
 Functions whose output shape depends on data (``unique_*``, ``nonzero``, boolean
 masks, ``repeat`` with array repeats) cost one round trip to learn the shape.
+
+Where Ember departs from the letter of the standard, deliberately:
+
+* DLPack goes through a host copy: ``__dlpack__`` exports a NumPy copy (device kDLCPU,
+  ``copy=False`` raises BufferError); ``from_dlpack`` uploads a host copy.
+* A device whose backend lacks a dtype (PyTorch: uint16/32/64) refuses, on the client and
+  before anything is sent, every call whose result would have it, e.g. ``sum`` of uint8
+  (the standard's result is uint64): pass ``dtype=``.
+* Complex special values (inf/nan components, division by complex zero) are whatever the
+  peer's backend computes; PyTorch and JAX differ from NumPy there. JAX flushes subnormals.
+* ``unique_*`` return sorted values (the standard leaves the order unspecified).
+* In-place operators and ``x[key] = v`` replace the remote value (the array object keeps
+  its identity); arrays never alias on the peer, so writing to ``x`` leaves ``x[0:2]``
+  taken earlier unchanged.
+* More than the standard requires: NumPy-style indexing (integer arrays with slices or
+  ``None``, several arrays, integer-array ``__setitem__``), NumPy scalars accepted where
+  Python scalars are, and ``broadcast_shapes`` (from 2025.12).
+* ``asarray(host_data, copy=False)`` raises ValueError: the data must travel to the peer.
 """
 
 from __future__ import annotations

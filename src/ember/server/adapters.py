@@ -37,7 +37,7 @@ def _unwrap(f: Fn) -> Fn:
 
 def common(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
     """Adapters every backend needs (wire conventions and result shapes)."""
-    numpy_backend = xp.__name__.endswith("numpy")
+    numpy_backend = xp.__name__ == "array_api_compat.numpy"
     def arange(start: Any, stop: Any, step: Any, *, num: int, dtype: Any) -> Any:
         r = xp.arange(start, stop, step, dtype=dtype, device=dev)
         if r.shape[0] != num:  # float rounding may disagree with the client's count by one
@@ -135,7 +135,7 @@ def torch_ops(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
 
     def moments(f: Fn, square_root: bool) -> Fn:
         def g(x: Any, *, axis: Any = None, correction: float = 0.0, keepdims: bool = False) -> Any:
-            if float(correction).is_integer():
+            if float(correction).is_integer() and axis != ():  # torch reads axis=() as "all dims"
                 return f(x, axis=axis, correction=int(correction), keepdims=keepdims)
             dims = tuple(range(x.ndim)) if axis is None else tuple(axis)
             if not dims:  # nothing reduced: every deviation is zero
@@ -168,8 +168,14 @@ def torch_ops(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
             return (x != 0).to(torch.int64)
         return xp.count_nonzero(x, axis=axis, keepdims=keepdims)
 
+    def remainder(a: Any, b: Any) -> Any:
+        r = xp.remainder(a, b)  # compat's: torch ranks 0-d tensors below others in promotion
+        if r.is_floating_point():  # the standard (and NumPy): a zero result takes the divisor's sign
+            r = torch.where(r == 0, torch.copysign(torch.zeros_like(r), torch.as_tensor(b, dtype=r.dtype)), r)
+        return r
+
     table.update({
-        "getitem": getitem, "setitem": setitem, "count_nonzero": count_nonzero,
+        "getitem": getitem, "setitem": setitem, "count_nonzero": count_nonzero, "remainder": remainder,
         "std": moments(xp.std, True), "var": moments(xp.var, False),
         "unique_all": unique_all, "unique_inverse": unique_inverse, "unique_counts": unique_counts,
     })
