@@ -88,7 +88,17 @@ def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: bool | 
         return emit("copy", [out], 0, None, out.shape, out.dtype) if copy and out is obj else out
     if copy is False:
         raise ValueError("asarray(copy=False) cannot avoid a copy: the data must be sent to the peer")
+    if isinstance(obj, (list, tuple)) and obj and all(type(v) is RemoteArray for v in obj) \
+            and (device is None or all(v.device is device for v in obj)):
+        from ._manipulation import stack  # a sequence of ember arrays stays on the peer
+        out = stack(obj)
+        return out if dt is None or dt is out.dtype else _astype(out, dt)
     return upload(_host(obj, dt), resolve(device))
+
+
+def _astype(x: RemoteArray, dt: DType) -> RemoteArray:
+    from ._data_types import astype
+    return astype(x, dt)
 
 
 def from_dlpack(x: Any, /, *, device: Any = None, copy: bool | None = None) -> RemoteArray:

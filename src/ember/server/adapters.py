@@ -79,6 +79,28 @@ def common(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
             table[name] = _unwrap(table[name])
 
 
+def signed_remainder(xp: Any, f: Fn) -> Fn:
+    """The standard's (and NumPy's) rule where a backend misses it: a zero remainder takes the divisor's sign."""
+    def g(a: Any, b: Any) -> Any:
+        r = f(a, b)
+        if xp.isdtype(r.dtype, "real floating"):
+            r = xp.where(r == 0, xp.copysign(xp.zeros_like(r), xp.asarray(b, dtype=r.dtype)), r)
+        return r
+    return g
+
+
+def signed_floor_divide(xp: Any, f: Fn) -> Fn:
+    """A zero quotient is negative exactly when the operands' signs differ (JAX gives -0 for -1 // -inf)."""
+    def g(a: Any, b: Any) -> Any:
+        r = f(a, b)
+        if xp.isdtype(r.dtype, "real floating"):
+            one = xp.ones_like(r)
+            sign = xp.copysign(one, xp.asarray(a, dtype=r.dtype)) * xp.copysign(one, xp.asarray(b, dtype=r.dtype))
+            r = xp.where(r == 0, xp.copysign(xp.zeros_like(r), sign), r)
+        return r
+    return g
+
+
 # ---- PyTorch ---------------------------------------------------------------------------
 
 def _positive_steps(x: Any, key: tuple[Any, ...], is_mask: Callable[[Any], bool]) -> tuple[list[int], tuple]:
@@ -168,14 +190,9 @@ def torch_ops(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
             return (x != 0).to(torch.int64)
         return xp.count_nonzero(x, axis=axis, keepdims=keepdims)
 
-    def remainder(a: Any, b: Any) -> Any:
-        r = xp.remainder(a, b)  # compat's: torch ranks 0-d tensors below others in promotion
-        if r.is_floating_point():  # the standard (and NumPy): a zero result takes the divisor's sign
-            r = torch.where(r == 0, torch.copysign(torch.zeros_like(r), torch.as_tensor(b, dtype=r.dtype)), r)
-        return r
-
     table.update({
-        "getitem": getitem, "setitem": setitem, "count_nonzero": count_nonzero, "remainder": remainder,
+        "getitem": getitem, "setitem": setitem, "count_nonzero": count_nonzero,
+        "remainder": signed_remainder(xp, xp.remainder),  # compat's: it fixes torch's 0-d promotion
         "std": moments(xp.std, True), "var": moments(xp.var, False),
         "unique_all": unique_all, "unique_inverse": unique_inverse, "unique_counts": unique_counts,
     })
@@ -216,6 +233,8 @@ def jax_ops(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
         if name in table and name in _BINARY:
             table[name] = big_ints(table[name])
     table["pow"] = big_ints(pow_)
+    table["remainder"] = signed_remainder(xp, table["remainder"])
+    table["floor_divide"] = signed_floor_divide(xp, table["floor_divide"])
     for name in ("searchsorted", "argmax", "argmin", "argsort", "count_nonzero", "linalg.matrix_rank"):
         if name in table:
             table[name] = index_dtype(table[name])
