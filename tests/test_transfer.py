@@ -58,7 +58,6 @@ def test_same_peer_move_is_in_process_without_copy(two_device_peer):
 
 def test_long_op_on_one_device_does_not_stall_the_other(two_device_peer):
     d0, d1 = ember.devices(two_device_peer.addresses[0])
-    slow = ember.custom_op  # noqa: F841 - documented alternative; use a big matmul chain instead
     a = xp.asarray(np.ones((600, 600)), device=d0)
     for _ in range(60):
         a = a @ a * 1e-3
