@@ -444,25 +444,7 @@ RemoteArray.__abs__ = lambda self: unary("abs", self)  # type: ignore[attr-defin
 RemoteArray.__invert__ = lambda self: unary("bitwise_invert", self)  # type: ignore[attr-defined]
 
 
-def _matmul(self: RemoteArray, other: Any) -> Any:
-    from ._linalg import matmul
-    return matmul(self, other) if type(other) is RemoteArray else NotImplemented
-
-
-def _rmatmul(self: RemoteArray, other: Any) -> Any:
-    from ._linalg import matmul
-    return matmul(other, self) if type(other) is RemoteArray else NotImplemented
-
-
-def _imatmul(self: RemoteArray, other: Any) -> RemoteArray:
-    from ._linalg import matmul
-    self._adopt(matmul(self, other))
-    return self
-
-
-RemoteArray.__matmul__ = _matmul  # type: ignore[attr-defined]
-RemoteArray.__rmatmul__ = _rmatmul  # type: ignore[attr-defined]
-RemoteArray.__imatmul__ = _imatmul  # type: ignore[attr-defined]
+# ``@`` / ``@=`` are installed by ``_linalg`` (imported with the package), next to ``matmul``.
 
 __all__ = ["RemoteArray", "scalar_array", "emit", "emit_multi", "emit_dynamic", "emit_dynamic_multi", "unary", "binary", "broadcast_shapes",
            "same_device"]
