@@ -37,23 +37,14 @@ def start_serve(*args: str) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.mark.timeout(60)
-def test_serve_prints_address_and_exits_cleanly_on_sigterm():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_prints_address_and_exits_zero_on_a_signal(sig):
     p, addr = start_serve("--websocket", "127.0.0.1:0", "--device", "cpu")
     try:
         d = ember.connect(addr)
         assert float(xp.sum(xp.arange(5, device=d))) == 10
         d.close()
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(15) == 0
-    finally:
-        p.kill()
-
-
-@pytest.mark.timeout(60)
-def test_sigint_exits_zero():
-    p, addr = start_serve("--websocket", "127.0.0.1:0")
-    try:
-        p.send_signal(signal.SIGINT)
+        p.send_signal(sig)
         assert p.wait(15) == 0
     finally:
         p.kill()
