@@ -9,11 +9,10 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from . import errors  # noqa: E402
-from .client.device import Device, connect, default_device, devices, set_default_device  # noqa: E402
-from .errors import EmberError  # noqa: E402
+from . import embedded, errors
+from ._version import __version__
+from .client.device import Device, connect, default_device, devices, set_default_device
+from .errors import EmberError
 
 
 def custom_op(name: str, *arrays: object, outputs: list[tuple[tuple[int, ...], object]], device: object = None,

@@ -27,9 +27,11 @@ Where Ember departs from the letter of the standard, deliberately:
 
 from __future__ import annotations
 
+import sys
 from math import e, inf, nan, pi
 
-from . import fft, linalg
+from . import _transfer, fft, linalg  # noqa: F401  (_transfer installs x.to_device)
+from . import _array
 from ._array import RemoteArray
 from ._creation import *  # noqa: F401,F403
 from ._creation import __all__ as _creation_all
@@ -60,6 +62,7 @@ from ._utility import __all__ as _utility_all
 __array_api_version__ = "2024.12"
 newaxis = None
 Array = RemoteArray
+_array.NAMESPACE.append(sys.modules[__name__])
 
 __all__ = (["__array_api_version__", "__array_namespace_info__", "Array", "e", "inf", "nan", "pi", "newaxis",
             "fft", "linalg", "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",

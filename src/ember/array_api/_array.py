@@ -18,6 +18,9 @@ from ._dtypes import DType
 _OP = m.OP
 _Scalar = (int, float, complex, bool)
 
+#: The namespace ``x.__array_namespace__()`` returns; ``ember.array_api`` puts itself here on import.
+NAMESPACE: list[Any] = []
+
 
 class RemoteArray:
     """An array whose value lives on a compute peer. Shape and dtype are known locally."""
@@ -77,8 +80,7 @@ class RemoteArray:
     def __array_namespace__(self, *, api_version: str | None = None) -> Any:
         if api_version not in (None, "2021.12", "2022.12", "2023.12", "2024.12"):
             raise ValueError(f"unsupported Array API version {api_version!r}")
-        from .. import array_api
-        return array_api
+        return NAMESPACE[0]
 
     # ---- reading -----------------------------------------------------------------
     def to_numpy(self, timeout: float | None = None) -> np.ndarray:
@@ -126,14 +128,6 @@ class RemoteArray:
     def __repr__(self) -> str:
         return f"RemoteArray(shape={self._shape}, dtype={self._dtype.name}, device={self._dev!r})"
 
-    def to_device(self, device: Any, /, *, stream: Any = None, **kw: Any) -> "RemoteArray":
-        """This array on ``device`` (the same object when it is already there)."""
-        if device is self._dev or device is None:
-            return self
-        from ._device import resolve
-        from ._transfer import move
-        return move(self, resolve(device), **kw)
-
     # ---- DLPack: through a host copy ---------------------------------------------
     def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
                    dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
@@ -151,14 +145,8 @@ class RemoteArray:
     def __dlpack_device__(self) -> tuple[int, int]:
         return (1, 0)  # kDLCPU: the exported capsule is a host copy
 
-    # ---- indexing -----------------------------------------------------------------
-    def __getitem__(self, key: Any) -> "RemoteArray":
-        from ._indexing import getitem
-        return getitem(self, key)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        from ._indexing import setitem
-        setitem(self, key, value)
+    # ``x[key]`` / ``x[key] = v`` are installed by ``_indexing``, ``x.to_device`` by ``_transfer``
+    # (the families import this module, never the other way round: no import cycles).
 
     def _adopt(self, new: "RemoteArray") -> None:
         """Take over ``new``'s remote value in place (identity kept; the old value is released)."""

@@ -22,6 +22,16 @@ from ._array import RemoteArray
 from ._device import check_dtype, resolve
 
 
+def to_device(self: RemoteArray, device: Any, /, *, stream: Any = None, **kw: Any) -> RemoteArray:
+    """This array on ``device`` (the same object when it is already there)."""
+    if device is self._dev or device is None:
+        return self
+    return move(self, resolve(device), **kw)
+
+
+RemoteArray.to_device = to_device  # type: ignore[attr-defined]
+
+
 def move(x: RemoteArray, device: Any, *, via_client: bool = False, downloads: int = 1, ttl: float = 300.0,
          timeout: float = 120.0) -> RemoteArray:
     dst = resolve(device)

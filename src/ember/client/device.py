@@ -6,11 +6,11 @@ import asyncio
 import os
 import ssl
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import ConnectError, EmberError, SessionLost
 from ..protocol import messages as m
-from ..transport import dial
+from ..transport import SessionHandler, dial
 from .io import get_loop, run_sync
 from .session import ClientSession, open_session
 
@@ -115,24 +115,23 @@ class Device:
 
 
 async def _dial(address: str, timeout: float, tls: ssl.SSLContext | None = None) -> Any:
-    if address == LOCAL:
+    factory = _embedded.get(address)
+    if factory is not None:
         from ..transport.memory import memory_pair
         client_end, server_end = memory_pair()
-        asyncio.ensure_future(_local_server().handle(server_end))
+        asyncio.ensure_future(factory()(server_end))
         return client_end
     return await dial(address, timeout=timeout, max_frame=m.DEFAULT_MAX_FRAME, tls=tls)
 
 
-_local: Any = None
+#: In-process peers by address: a factory returning the peer's session handler, served on the I/O
+#: loop over an in-memory link. ``ember.embedded`` registers ``"local"``; the client knows only this seam.
+_embedded: dict[str, Callable[[], SessionHandler]] = {}
 
 
-def _local_server() -> Any:
-    """The embedded compute peer (NumPy), served on the I/O loop over an in-memory link."""
-    global _local
-    if _local is None:
-        from ..server import Server
-        _local = Server(["cpu"])
-    return _local
+def register_embedded(address: str, factory: Callable[[], SessionHandler]) -> None:
+    """Make ``connect(address)`` reach an in-process peer whose handler ``factory()`` returns."""
+    _embedded[address] = factory
 
 
 # ---- public functions ----------------------------------------------------------------
@@ -207,4 +206,4 @@ def default_device() -> Device:
     return _default
 
 
-__all__ = ["Device", "connect", "devices", "set_default_device", "default_device", "EmberError"]
+__all__ = ["Device", "connect", "devices", "set_default_device", "default_device", "register_embedded", "EmberError"]

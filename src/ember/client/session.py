@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__
+from .._version import __version__
 from ..errors import (AuthorizationError, ConnectError, EmberError, ProtocolError, SessionLost,
                       from_wire)
 from ..protocol import codec

@@ -24,6 +24,8 @@ Client → server messages (positions after the kind)::
     EXPOSE  req, id, target_peer, downloads, ttl    (tensor movement)
     FETCH   id, source, capability, dtype, shape
     MOVE    id, dst_device, dst_session, dst_id     same-peer move
+    ATEN    (reserved: ember.torch's ATen op stream)
+    STATS   (reserved: telemetry / admin figures)
 
 Server → client responses: ``[req, status, payload]`` with status OK,
 ERROR (payload ``{kind, message, op}``) or CHUNK (part of a large read:
@@ -51,9 +53,9 @@ PROTOCOL_VERSION = 1
 ALPN = b"ember/1"
 
 # client -> server message kinds
-OP, UPLOAD, DROP, READ, SYNC, CUSTOM, CLOSE, PING, SHAPE, GRAPH, REPLAY, EXPOSE, FETCH, MOVE = range(14)
+OP, UPLOAD, DROP, READ, SYNC, CUSTOM, CLOSE, PING, SHAPE, GRAPH, REPLAY, EXPOSE, FETCH, MOVE, ATEN, STATS = range(16)
 KIND_NAMES = ("Op", "Upload", "Drop", "Read", "Sync", "Custom", "Close", "Ping", "Shape",
-              "Graph", "Replay", "Expose", "Fetch", "Move")
+              "Graph", "Replay", "Expose", "Fetch", "Move", "Aten", "Stats")
 
 # response status
 OK, ERROR, CHUNK, NEED_GRAPH = 0, 1, 2, 3

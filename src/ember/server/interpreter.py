@@ -133,7 +133,7 @@ class Interpreter:
         self._uploads: dict[int, tuple[bytearray, str, list[int]]] = {}
         self.handlers: tuple[Callable[[list[Any], list[list[Any]]], None] | None, ...] = (
             self.op, self.upload, self.drop, self.read, self.sync, self.custom, self.close, self.sync,
-            self.shape, self.graph, self.replay, None, None, None)
+            self.shape, self.graph, self.replay, None, None, None, None, None)
         self.ops_run = 0
         self.graphs = GraphCache(int(limits.get("graph_cache", m.DEFAULT_GRAPH_CACHE)))
         self._stalled: list[list[Any]] | None = None  # REPLAY of an unknown graph + everything after it

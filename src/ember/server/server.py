@@ -10,7 +10,7 @@ import signal
 import threading
 from typing import Any, Callable, Iterable, Sequence
 
-from .. import __version__
+from .._version import __version__
 from ..errors import AuthorizationError, EmberError
 from ..protocol import messages as m
 from ..transport.base import FrameConnection, Listener

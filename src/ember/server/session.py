@@ -21,7 +21,7 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -30,20 +30,44 @@ from ..protocol import codec
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
 from .interpreter import Interpreter
-from .transfer import TransferOps, serve_transfer
-
-if TYPE_CHECKING:
-    from .server import Server
+from .backends import Backend
+from .transfer import TransferHub, TransferOps, serve_transfer
 
 log = logging.getLogger("ember.server")
 
 HANDSHAKE_TIMEOUT = 10.0
 
 
+class SessionHost(Protocol):
+    """What the session pump needs of the peer that hosts it (``Server`` is one).
+
+    The pump receives its host as an argument and never imports ``server.py``,
+    so the peer's configuration and its sessions stay two modules without a cycle.
+    """
+
+    backends: list[Backend]
+    tables: list[dict[str, Callable[..., Any]]]
+    custom_ops: dict[str, Callable[..., Any]]
+    limits: dict[str, int]
+    transfers: TransferHub
+    inline_small: bool
+    max_sessions: int
+    sessions: dict[bytes, "Session"]
+    live: set["Session"]
+    peer_id: str | None
+    transfer_peer_id: str | None
+    version: str
+    instance: str
+
+    def authorize(self, peer_id: str | None, device: int, credential: bytes) -> str | None: ...
+
+    def device_info(self) -> list[dict[str, Any]]: ...
+
+
 class Session:
     """A client's session on one device: its interpreter, worker thread and outbox."""
 
-    def __init__(self, server: "Server", conn: FrameConnection, hello: dict[str, Any],
+    def __init__(self, server: SessionHost, conn: FrameConnection, hello: dict[str, Any],
                  loop: asyncio.AbstractEventLoop) -> None:
         self.server = server
         self.conn = conn
@@ -146,7 +170,7 @@ async def _send_now(session: Session) -> None:
         await _send_marked(session, frame)
 
 
-async def _handshake(server: "Server", conn: FrameConnection, first: bytes) -> dict[str, Any] | None:
+async def _handshake(server: SessionHost, conn: FrameConnection, first: bytes) -> dict[str, Any] | None:
     """Judge Hello; answer Reject and return None when refused."""
     try:
         hello = codec.decode_hello(first)
@@ -178,7 +202,7 @@ async def _handshake(server: "Server", conn: FrameConnection, first: bytes) -> d
     return hello
 
 
-async def drive_session(server: "Server", conn: FrameConnection) -> None:
+async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
     """Serve one stream: a session until it closes, breaks or sends garbage; or one download."""
     try:
         first = await asyncio.wait_for(conn.recv(), HANDSHAKE_TIMEOUT)
@@ -260,4 +284,4 @@ async def _close_quietly(conn: FrameConnection) -> None:
         pass
 
 
-__all__ = ["drive_session", "Session", "AuthorizationError"]
+__all__ = ["drive_session", "Session", "SessionHost", "AuthorizationError"]
