@@ -1,5 +1,9 @@
 """Ember wire protocol, version 1: message kinds and their field layout.
 
+The full specification (framing per transport, handshake, every kind's fields and
+MessagePack types, limits, what a server must refuse) is ``docs/protocol.md``;
+this docstring is its summary.
+
 Handshake frames are MessagePack maps (self-describing, rarely sent). After the
 handshake every client frame is a *batch*: a MessagePack array of messages,
 each message a short array whose first item is its kind. Every server frame is
@@ -21,9 +25,9 @@ Client → server messages (positions after the kind)::
     SHAPE   req, id                             shape of a data-dependent output
     GRAPH   gid, n_in, scalars, body, kept, consumed    register a recurring op group
     REPLAY  gid, inputs, outs, scalar_overrides         run a registered group
-    EXPOSE  req, id, target_peer, downloads, ttl    (tensor movement)
-    FETCH   id, source, capability, dtype, shape
-    MOVE    id, dst_device, dst_session, dst_id     same-peer move
+    EXPOSE  id, capability, target_peer, downloads, ttl    (tensor movement)
+    FETCH   id, source, capability, timeout     source None: take a MOVE token
+    MOVE    id, token                           same-peer move
     ATEN    (reserved: ember.torch's ATen op stream)
     STATS   (reserved: telemetry / admin figures)
 
