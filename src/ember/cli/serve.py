@@ -19,6 +19,8 @@ def build_server(args: argparse.Namespace) -> Server:
     tls = tls_context(args.tls_cert, args.tls_key) if getattr(args, "tls_cert", None) else None
     for host, port in args.websocket:
         server.listen_websocket(host, port, ssl=tls)
+    for host, port in getattr(args, "tcp", None) or []:
+        server.listen_tcp(host, port, ssl=tls)
     if not getattr(args, "no_iroh", True):
         add_iroh(server, args)
     return server
@@ -63,11 +65,11 @@ def serve(args: argparse.Namespace) -> int:
     server = build_server(args)
     if not server.listeners:
         print("ember serve: error: no transport to serve on", file=sys.stderr)
-        print("  hint: drop --no-iroh, or add --websocket 127.0.0.1:0", file=sys.stderr)
+        print("  hint: drop --no-iroh, or add --websocket 127.0.0.1:0 or --tcp 127.0.0.1:0", file=sys.stderr)
         return 2
 
     def ready(addresses: list[str]) -> None:
-        for a in addresses:  # WebSocket first, then the iroh ticket
+        for a in addresses:  # WebSocket and TCP first, then the iroh ticket
             print(f"ember serve: listening on {a} ({describe_devices(server)})", flush=True)
         lst = getattr(server, "iroh_listener", None)
         if lst is not None:  # each value is its own whitespace-separated word

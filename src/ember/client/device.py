@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from ..errors import ConnectError, EmberError, SessionLost
 from ..protocol import messages as m
-from ..transport import SessionHandler, dial
+from ..transport import SessionHandler, dial, uses_tls
 from .io import get_loop, run_sync
 from .session import ClientSession, open_session
 
@@ -32,7 +32,9 @@ class Device:
         self._credential = credential
         self._timeout = timeout
         self._read_timeout = read_timeout
-        self._options = session_options or {}
+        self._options = dict(session_options or {})
+        # data_frames=False: offer no data frames (MessagePack chunks only; benchmarks compare the two)
+        self._features = None if self._options.pop("data_frames", True) else []
         self._ssl = tls
         self._lock = threading.Lock()
         self._session: ClientSession | None = None
@@ -47,7 +49,8 @@ class Device:
             conn = await _dial(self.address, self._timeout, self._ssl)
             try:
                 welcome = await open_session(conn, address=self.address, device=self.index,
-                                             credential=self._credential, timeout=self._timeout, session_id=sid)
+                                             credential=self._credential, timeout=self._timeout, session_id=sid,
+                                             features=self._features)
             except BaseException:
                 await conn.close()
                 raise
@@ -153,10 +156,10 @@ def connect(address: str = LOCAL, *, device: int = 0, credential: bytes | str = 
             **session_options: Any) -> Device:
     """Connect to one device of a peer, eagerly.
 
-    ``address`` is ``"local"``, ``"ws://host:port"``, or an iroh ticket / peer id.
+    ``address`` is ``"local"``, ``"ws://host:port"``, ``"tcp://host:port"``, or an iroh ticket / peer id.
     An unreachable peer, a refused session or a bad device index raises here.
     ``tls_ca`` (a CA file or an ``ssl.SSLContext``; default ``$EMBER_TLS_CA``, else
-    the system's CAs) verifies a ``wss://`` peer.
+    the system's CAs) verifies a ``wss://`` or ``tcps://`` peer.
     """
     if isinstance(credential, str):
         credential = credential.encode()
@@ -167,7 +170,7 @@ def connect(address: str = LOCAL, *, device: int = 0, credential: bytes | str = 
 
 
 def _tls_context(address: str, ca: str | ssl.SSLContext | None) -> ssl.SSLContext | None:
-    if not address.startswith("wss://"):
+    if not uses_tls(address):
         return None
     if isinstance(ca, ssl.SSLContext):
         return ca

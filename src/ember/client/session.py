@@ -38,43 +38,14 @@ from ..errors import (AuthorizationError, ConnectError, EmberError, ProtocolErro
 from ..protocol import codec
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
+from .bulk import BulkData, ReadTimeout, Upload, Waiter, size_text
 from .graph import Candidate, GraphTable, canon
 
 _sessions: "weakref.WeakSet[ClientSession]" = weakref.WeakSet()
 _OP = m.OP
 
 
-class ReadTimeout(EmberError, TimeoutError):
-    """A read or sync did not complete within its deadline."""
-
-
-class _Waiter:
-    """One outstanding request: completed on the I/O loop, awaited on a user thread.
-
-    A pre-acquired lock is the cheapest one-shot signal between two threads
-    (one futex, no Condition), which matters on the op + read round trip.
-    """
-
-    __slots__ = ("_lock", "value", "error", "buf")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.buf: bytearray | None = None
-
-    def set(self) -> None:
-        try:
-            self._lock.release()
-        except RuntimeError:  # already set (a loss racing an answer)
-            pass
-
-    def wait(self, timeout: float) -> bool:
-        return self._lock.acquire(timeout=timeout)
-
-
-class ClientSession:
+class ClientSession(BulkData):
     """One session with one device of one peer."""
 
     def __init__(self, conn: FrameConnection, welcome: dict[str, Any], loop: asyncio.AbstractEventLoop, *,
@@ -99,8 +70,8 @@ class ClientSession:
         self._lock = threading.Lock()
         self._pending: list[list[Any]] = []
         self._drops: deque[int] = deque()
-        self._frames: deque[bytes] = deque()
-        self._waiters: dict[int, _Waiter] = {}
+        self._frames: deque[Any] = deque()  # frames (bytes, or gathered parts) and _Upload jobs
+        self._waiters: dict[int, Waiter] = {}
         self._ticking = False  # the idle tick runs on the I/O loop
         self._active = False   # something was recorded since the last tick
         self._quiet = 0        # ticks without activity
@@ -121,6 +92,10 @@ class ClientSession:
         self._period = -1  # > 0: the op stream repeats every _period ops (groups end there too)
         self._misses = 0   # periods in a row that did not replay
         self._gtable = GraphTable(gcap)
+        self.data = m.DATA_FEATURE in codec.agreed_features(welcome.get("features"))
+        set_sink = getattr(conn, "set_data_sink", None)
+        if self.data and set_sink is not None:
+            set_sink(self._sink)
         self._wake = asyncio.Event()
         self._last_recv = time.monotonic()
         self._tasks = [loop.create_task(self._receiver()), loop.create_task(self._sender()),
@@ -331,32 +306,14 @@ class ClientSession:
             self._flush_locked()
 
     # ---- data in / out -----------------------------------------------------------------
-    def upload(self, arr: np.ndarray) -> int:
-        """Send host data; returns the new tensor id. Large arrays go in chunks."""
-        arr = np.asarray(arr, order="C")
-        tid = next(self.ids)
-        flat = memoryview(arr.reshape(-1).view(np.uint8))
-        total, dt, shape = len(flat), arr.dtype.name, list(arr.shape)
-        if total <= 65536:
-            self.record([m.UPLOAD, tid, dt, shape, 0, bytes(flat), total])
-            return tid
-        if self.lost is not None:
-            raise self._lost_error()
-        with self._lock:
-            self._flush_locked()
-            for off in range(0, total, self.chunk) if total else [0]:
-                frame = codec.packb([[m.UPLOAD, tid, dt, shape, off, flat[off:off + self.chunk], total]])
-                self.stats["bytes_sent"] += len(frame)
-                self._frames.append(frame)
-        self.loop.call_soon_threadsafe(self._wake.set)
-        return tid
-
-    def request(self, kind: int, *fields: Any, timeout: float | None = None) -> Any:
-        """Send a request (READ, SYNC, SHAPE, ...) and wait for its answer."""
+    def request(self, kind: int, *fields: Any, timeout: float | None = None,
+                progress: Any = None, nbytes: int = 0) -> Any:
+        """Send a request (READ, SYNC, SHAPE, ...) and wait for its answer (``progress``: show the
+        ``nbytes`` of a large answer arriving)."""
         if self.lost is not None:
             raise self._lost_error()
         req = next(self._reqs)
-        w = _Waiter()
+        w = Waiter()
         self._waiters[req] = w
         with self._lock:
             g = self._grp
@@ -365,6 +322,12 @@ class ClientSession:
             self._pending.append([kind, req, *fields])
             self._flush_locked(False)
         t = self.read_timeout if timeout is None else timeout
+        if progress is not None:
+            try:
+                self._wait(w, nbytes, progress, f"download {size_text(nbytes)}", t)
+            finally:
+                self._waiters.pop(req, None)
+            return w.value
         if not w.wait(t):
             self._waiters.pop(req, None)
             if self.lost is not None:
@@ -375,9 +338,11 @@ class ClientSession:
             raise w.error
         return w.value
 
-    def read(self, tid: int, timeout: float | None = None) -> np.ndarray:
-        dt, shape, off, data, total = self.request(m.READ, tid, timeout=timeout)
+    def read(self, tid: int, timeout: float | None = None, progress: Any = None, nbytes: int = 0) -> np.ndarray:
+        dt, shape, off, data, total = self.request(m.READ, tid, timeout=timeout, progress=progress, nbytes=nbytes)
         self.stats["reads"] += 1
+        if isinstance(data, np.ndarray):  # assembled from data frames
+            return data.view(np.dtype(dt)).reshape(shape)
         return np.frombuffer(data, dtype=np.dtype(dt)).reshape(shape)
 
     def sync(self, timeout: float | None = None) -> None:
@@ -423,6 +388,9 @@ class ClientSession:
                 wake.clear()
                 while frames:
                     frame = frames.popleft()
+                    if type(frame) is Upload:
+                        await self._send_upload(frame)
+                        continue
                     await conn.send(frame)
                     if len(frame) >= 1 << 20:
                         # a big send completing is a sign of life: a long upload gets no answers, but
@@ -452,6 +420,9 @@ class ClientSession:
                     raise SessionLost(f"peer {self.address} closed the session")
                 self._last_recv = time.monotonic()
                 self.stats["bytes_received"] += len(frame)
+                if self.data and codec.is_data(frame):
+                    self._data_frame(frame)
+                    continue
                 for req, status, payload in codec.decode_responses(frame, self.max_frame + 4096):
                     if req == 0:
                         if status == m.ERROR:
@@ -467,6 +438,7 @@ class ClientSession:
                         if w.buf is None:
                             w.buf = bytearray(total)
                         w.buf[off:off + len(data)] = data
+                        w.done += len(data)
                         continue
                     del waiters[req]
                     if status == m.OK:
@@ -482,6 +454,8 @@ class ClientSession:
             pass
         except EmberError as e:
             self._fail_all(e if isinstance(e, (SessionLost, ProtocolError)) else SessionLost(e.message))
+        except (ValueError, TypeError, IndexError) as e:  # a malformed data frame head
+            self._fail_all(ProtocolError(f"malformed frame from {self.address}: {e}"))
         except (ConnectionError, OSError) as e:
             self._fail_all(SessionLost(f"connection to {self.address} lost: {e}"))
 
@@ -541,10 +515,11 @@ class ClientSession:
 # ---- opening a session ------------------------------------------------------------------
 
 async def open_session(conn: FrameConnection, *, address: str, device: int, credential: bytes,
-                       timeout: float, session_id: bytes) -> dict[str, Any]:
-    """Handshake on an open connection: send Hello, judge the reply, return the Welcome."""
+                       timeout: float, session_id: bytes, features: list[str] | None = None) -> dict[str, Any]:
+    """Handshake on an open connection: send Hello (offering ``features``, default all this
+    version speaks), judge the reply, return the Welcome."""
     await conn.send(codec.encode_hello(session_id=session_id, device=device, credential=credential,
-                                       client_version=__version__))
+                                       client_version=__version__, features=features))
     try:
         frame = await asyncio.wait_for(conn.recv(), timeout)
     except asyncio.TimeoutError:

@@ -1,12 +1,15 @@
 """Bytes <-> messages. Sans-I/O: nothing here knows a socket or a thread.
 
-Tensor bytes travel as MessagePack ``bin`` (raw C-order bytes) next to their
-dtype name and shape; nothing is ever pickled.
+Tensor bytes travel as raw C-order bytes next to their dtype name and shape; nothing is
+ever pickled. Small ones ride inside a MessagePack frame as ``bin``; large ones travel in
+*data frames* (see ``messages``): a small MessagePack head followed by the bytes as they
+are, so a sender hands a view of the array to the transport and a receiver can read them
+straight into the destination array.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import msgpack
 
@@ -31,12 +34,103 @@ def unpackb(frame: bytes, *, max_frame: int = m.DEFAULT_MAX_FRAME + 4096) -> Any
         raise ProtocolError(f"malformed frame ({len(frame)} bytes): {type(e).__name__}: {e}") from None
 
 
+# ---- data frames ------------------------------------------------------------------
+
+_DATA_BYTE = bytes([m.DATA_MARK])
+
+
+def data_prefix(head: list[Any]) -> bytes:
+    """Everything of a data frame but its payload: the mark, the head's length and the head."""
+    h = _packb(head)
+    return _DATA_BYTE + len(h).to_bytes(4, "big") + h
+
+
+def is_data(frame: Any) -> bool:
+    """Is ``frame`` a data frame? (0xC1 never starts a MessagePack value.)"""
+    return len(frame) > 0 and frame[0] == m.DATA_MARK
+
+
+def data_head_size(first: Any) -> int:
+    """Bytes of head after the 5-byte prefix of a data frame whose first 5 bytes are ``first``."""
+    n = int.from_bytes(bytes(first[1:5]), "big")
+    if n > m.MAX_DATA_HEAD:
+        raise ProtocolError(f"data frame head of {n} bytes exceeds {m.MAX_DATA_HEAD} bytes")
+    return n
+
+
+def decode_data_head(head: Any) -> list[Any]:
+    """The head of a data frame: a message or response whose bytes field is nil."""
+    h = unpackb(bytes(head), max_frame=m.MAX_DATA_HEAD)
+    if not isinstance(h, list) or len(h) < 3:
+        raise ProtocolError(f"malformed data frame head: {str(h)[:80]}")
+    return h
+
+
+def decode_data(frame: Any) -> tuple[list[Any], memoryview]:
+    """(head, payload) of a data frame. The payload is empty when the transport already put it
+    where the data sink asked (see ``transport.base``)."""
+    mv = memoryview(frame)
+    if len(mv) < m.DATA_PREFIX:
+        raise ProtocolError(f"truncated data frame ({len(mv)} bytes)")
+    n = data_head_size(mv[:m.DATA_PREFIX])
+    end = m.DATA_PREFIX + n
+    if len(mv) < end:
+        raise ProtocolError(f"truncated data frame head ({len(mv)} of {end} bytes)")
+    return decode_data_head(mv[m.DATA_PREFIX:end]), mv[end:]
+
+
+def payload_slot(head: list[Any]) -> int:
+    """Index in ``head`` of the (nil) bytes field whose value the payload is.
+
+    Upload: ``[UPLOAD, id, dtype, shape, offset, nil, total]`` (slot 5). Read answers:
+    ``[req, CHUNK, [offset, nil, total]]`` and ``[req, OK, [dtype, shape, offset, nil, total]]``
+    (slot -2 of the payload list). Transfer chunks: ``[offset, nil, total]``.
+    """
+    return 5 if len(head) == 7 else -2
+
+
+def upload_frames(tid: int, dtype: str, shape: list[int], flat: memoryview,
+                  chunk: int) -> Iterator[tuple[bytes, memoryview]]:
+    """An upload as data frames, ``(prefix, payload view)`` each: zero-copy chunks of ``flat``."""
+    total = len(flat)
+    for off in range(0, total, chunk) if total else [0]:
+        yield data_prefix([m.UPLOAD, tid, dtype, shape, off, None, total]), flat[off:off + chunk]
+
+
+def read_frames(req: int, dtype: str, shape: list[int], flat: memoryview,
+                chunk: int) -> Iterator[tuple[bytes, memoryview]]:
+    """A read answer as data frames: CHUNKs, then the OK carrying dtype and shape."""
+    total = len(flat)
+    last = ((total - 1) // chunk) * chunk if total else 0
+    for off in range(0, last, chunk):
+        yield data_prefix([req, m.CHUNK, [off, None, total]]), flat[off:off + chunk]
+    yield data_prefix([req, m.OK, [dtype, shape, last, None, total]]), flat[last:]
+
+
+def chunk_frames(flat: memoryview, chunk: int) -> Iterator[tuple[bytes, memoryview]]:
+    """A transfer stream's bytes as data frames ``[offset, nil, total]``."""
+    total = len(flat)
+    for off in range(0, total, chunk):
+        yield data_prefix([off, None, total]), flat[off:off + chunk]
+
+
 # ---- handshake -----------------------------------------------------------------
 
 def encode_hello(*, session_id: bytes, device: int, credential: bytes = b"",
-                 client_version: str = "", protocol: int = m.PROTOCOL_VERSION) -> bytes:
+                 client_version: str = "", protocol: int = m.PROTOCOL_VERSION,
+                 features: list[str] | None = None) -> bytes:
+    """``features``: optional wire features the client speaks (``messages.FEATURES``); the
+    Welcome answers with those both sides speak."""
     return packb({"type": "hello", "protocol": protocol, "session_id": session_id,
-                  "device": device, "credential": credential, "client": client_version})
+                  "device": device, "credential": credential, "client": client_version,
+                  "features": list(m.FEATURES if features is None else features)})
+
+
+def agreed_features(offered: Any) -> list[str]:
+    """The features of ``offered`` (a Hello's or Welcome's ``features``) this side speaks too."""
+    if not isinstance(offered, list):
+        return []
+    return [f for f in m.FEATURES if f in offered]
 
 
 def decode_hello(frame: bytes) -> dict[str, Any]:

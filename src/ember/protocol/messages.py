@@ -39,6 +39,26 @@ total]``). ``req == 0`` with ERROR is a session-level error (the session ends).
 hold; the server holds that REPLAY and everything after it until a GRAPH with
 that gid arrives (see ``ember.client.graph`` for the graph protocol).
 
+Data frames (feature ``"data"``). A frame whose first byte is ``DATA_MARK`` (0xC1, a byte
+MessagePack never uses) is a *data frame*: ``0xC1, u32 big-endian n, n bytes of MessagePack
+head, payload``. The head is an ordinary message or response whose bytes field is nil; the
+payload, the rest of the frame, is that field's value, raw. Senders hand a view of the
+array to the transport behind a small prefix (no copy into a MessagePack ``bin``);
+receivers whose transport supports a data sink read the payload straight into the
+destination array. Heads used::
+
+    client -> server   [UPLOAD, id, dtype, shape, offset, nil, total]   one chunk of an upload
+    server -> client   [req, CHUNK, [offset, nil, total]]               one chunk of a read
+                       [req, OK, [dtype, shape, offset, nil, total]]    its last chunk
+    transfer stream    [offset, nil, total]                             one chunk of a download
+
+A data frame carries exactly one message and is a batch of its own. Both sides use data
+frames only once they agreed on them: Hello carries ``features`` (the optional features the
+client speaks), Welcome answers with ``features``, those both speak; a transfer request
+carries ``features`` and the source answers in kind. A peer that knows no features sends and
+expects only MessagePack frames, so old and new peers still talk (protocol version 1 either
+way). Small tensors (at most ``INLINE_DATA`` bytes) keep riding inside batches.
+
 Graphs (op-graph caching). A GRAPH body is a register program: registers
 ``0..n_in-1`` are the REPLAY's input tensors, the next ``len(scalars)`` are
 scalars (defaults from the GRAPH, overridden per REPLAY by the flat list
@@ -79,6 +99,18 @@ DEFAULT_GRAPH_CACHE = 256
 """Graphs a session's cache holds (LRU) unless the server says otherwise."""
 MAX_GRAPH_OPS = 65536
 """Ops in one registered graph, at most (checked by the server)."""
+
+#: First byte of a data frame (see above).
+DATA_MARK = 0xC1
+#: Bytes before a data frame's head: the mark and the head's length.
+DATA_PREFIX = 5
+#: Largest head a data frame may carry.
+MAX_DATA_HEAD = 4096
+#: Tensors up to this many bytes travel inside a batch (MessagePack ``bin``), larger ones in data frames.
+INLINE_DATA = 64 * 1024
+#: Optional wire features this version speaks, negotiated in Hello / Welcome.
+FEATURES = ("data",)
+DATA_FEATURE = "data"
 
 # Slice / None / Ellipsis inside an index key (see encode_key in codec).
 KEY_SLICE, KEY_NONE, KEY_ELLIPSIS, KEY_ARRAY = "s", "n", "e", "a"

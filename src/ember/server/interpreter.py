@@ -19,7 +19,9 @@ from .adapters import adapt
 from .backends import Backend
 from .graph_cache import GraphCache, compile_graph
 
-Respond = Callable[[list[list[Any]]], None]
+#: ``respond(responses)`` sends one frame of responses; ``respond([[req, OK, [dtype, shape, 0, nil, total]]],
+#: data)`` sends a read answer whose bytes (a flat byte view of the array) travel in data frames.
+Respond = Callable[..., None]
 
 
 def build_table(backend: Backend) -> dict[str, Callable[..., Any]]:
@@ -82,6 +84,16 @@ class Poison:
         self.error = error
 
 
+class Placed:
+    """An upload chunk's ``n`` bytes that the network loop already read into place
+    (see ``Interpreter.upload_target``)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
 class _Missing:
     """A replay input id the session does not hold (in a replay's register file)."""
 
@@ -130,7 +142,8 @@ class Interpreter:
         self.limits = limits
         self.tensors: dict[int, Any] = {}
         self.poison: dict[int, Poison] = {}
-        self._uploads: dict[int, tuple[bytearray, str, list[int]]] = {}
+        self._uploads: dict[int, tuple[Any, str, list[int]]] = {}
+        self.data_frames = False  # the client speaks data frames (read answers go out in them)
         self.handlers: tuple[Callable[[list[Any], list[list[Any]]], None] | None, ...] = (
             self.op, self.upload, self.drop, self.read, self.sync, self.custom, self.close, self.sync,
             self.shape, self.graph, self.replay, None, None, None, None, None)
@@ -416,29 +429,70 @@ class Interpreter:
 
     # ---- data in / out ------------------------------------------------------------
     def upload(self, msg: list[Any], out: list[list[Any]]) -> None:
+        """A whole upload, or one chunk of it (in order; the last one completes it). ``data`` is the
+        chunk's bytes, or ``Placed`` when the network loop already read them into place."""
         _, tid, dtype, shape, offset, data, total = msg
         if total > self.limits["max_tensor"]:
+            self._uploads.pop(tid, None)
             return self._fail("upload", [], 0, [tid], LimitExceeded(
                 f"upload of {total} bytes exceeds this peer's max_tensor of {self.limits['max_tensor']} bytes"))
-        if offset == 0 and len(data) == total:
+        placed = type(data) is Placed
+        n = data.n if placed else len(data)
+        if offset == 0 and n == total and not placed:
             buf: Any = data
         else:
-            if offset == 0:
-                if len(self._uploads) >= MAX_PARTIAL_UPLOADS:
+            entry = self._uploads.get(tid)
+            if entry is None and offset == 0 and not placed:
+                entry = self._new_upload(tid, dtype, shape, total)
+                if entry is None:
                     return self._fail("upload", [], 0, [tid], LimitExceeded(
                         f"more than {MAX_PARTIAL_UPLOADS} chunked uploads in progress in one session"))
-                self._uploads[tid] = (bytearray(total), dtype, shape)
-            buf = self._uploads[tid][0]
-            buf[offset:offset + len(data)] = data
-            if offset + len(data) < total:
+            if entry is None:
+                raise ProtocolError(f"chunk at offset {offset} of upload {tid}, which has no first chunk")
+            if not placed:
+                memoryview(entry[0])[offset:offset + n] = data
+            if offset + n < total:
                 return
             del self._uploads[tid]
+            buf = entry[0]
         try:
             arr = np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
             self.tensors[tid] = self.backend.from_host(arr)
             self.poison.pop(tid, None)
         except Exception as e:
             self._fail("upload", [], 0, [tid], e)
+
+    def _new_upload(self, tid: int, dtype: str, shape: list[int], total: int) -> Any:
+        """The buffer a chunked upload is assembled in, or None past ``MAX_PARTIAL_UPLOADS``."""
+        if len(self._uploads) >= MAX_PARTIAL_UPLOADS:
+            return None
+        entry = self._uploads[tid] = (np.empty(total, np.uint8), dtype, shape)
+        return entry
+
+    def upload_target(self, tid: Any, dtype: Any, shape: Any, offset: Any, n: int, total: Any) -> memoryview | None:
+        """Where the network loop may read an upload chunk's ``n`` bytes straight into (the
+        transport's data sink), or None to let it arrive in the frame and go through ``upload``,
+        which then answers whatever is wrong. Runs on the network loop, not the worker."""
+        if type(tid) is not int or type(offset) is not int or type(total) is not int:
+            return None
+        if not 0 <= offset <= total - n or total > self.limits["max_tensor"]:
+            return None
+        entry = self._uploads.get(tid)
+        if entry is None:
+            if offset != 0:
+                return None
+            try:
+                if np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64)) != total:
+                    return None
+            except (TypeError, ValueError, OverflowError):
+                return None
+            entry = self._new_upload(tid, dtype, shape, total)
+            if entry is None:
+                return None
+        buf = entry[0]
+        if len(buf) != total:
+            return None
+        return memoryview(buf)[offset:offset + n]
 
     def read(self, msg: list[Any], out: list[list[Any]]) -> None:
         _, req, tid = msg
@@ -449,6 +503,12 @@ class Interpreter:
         dt, shape = host.dtype.name, list(host.shape)
         flat = memoryview(host.reshape(-1).view(np.uint8))
         total, chunk = len(flat), self.limits["chunk"]
+        if self.data_frames and total > m.INLINE_DATA:  # data frames: views of the array, no copies
+            if out:
+                self.respond(out[:])  # keep order: earlier answers first
+                out.clear()
+            self.respond([[req, m.OK, [dt, shape, 0, None, total]]], flat)
+            return
         if total <= chunk:
             out.append([req, m.OK, [dt, shape, 0, flat, total]])
             return

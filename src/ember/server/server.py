@@ -100,6 +100,12 @@ class Server:
         from ..transport.websocket import WebSocketListener
         self.add_listener(WebSocketListener(host, port, max_frame=self.limits["max_frame"], ssl=ssl))
 
+    def listen_tcp(self, host: str = "127.0.0.1", port: int = 0, *, ssl: Any = None) -> None:
+        """Serve on ``tcp://host:port`` (``tcps://`` with an SSL context): length-prefixed frames,
+        the fastest transport for bulk data."""
+        from ..transport.tcp import TcpListener
+        self.add_listener(TcpListener(host, port, max_frame=self.limits["max_frame"] + 65536, ssl=ssl))
+
     def listen_iroh(self, *, key: bytes | None = None, relay: Any = "default", offline: bool = False,
                     bind: Sequence[str] | None = None, **options: Any) -> Any:
         """Serve over iroh (ALPN ``ember/1``); returns the ``IrohListener``.

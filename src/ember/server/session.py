@@ -29,7 +29,7 @@ from ..errors import AuthorizationError, EmberError, ProtocolError, to_wire
 from ..protocol import codec
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
-from .interpreter import Interpreter
+from .interpreter import Interpreter, Placed
 from .backends import Backend
 from .transfer import TransferHub, TransferOps, serve_transfer
 
@@ -75,7 +75,7 @@ class Session:
         self.device_index: int = hello["device"]
         self.peer_id = conn.peer_id
         self.loop = loop
-        self.outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.outbox: asyncio.Queue[Any] = asyncio.Queue()  # frames, data-frame streams, None at the end
         self.inbox: queue.SimpleQueue[list[list[Any]] | None] = queue.SimpleQueue()
         self.alive = True
         self.sending = False  # a frame is being sent (by the sender task, or inline by the pump)
@@ -87,14 +87,28 @@ class Session:
         self.interp = Interpreter(backend, server.tables[self.device_index], server.custom_ops,
                                   self.respond, server.limits)
         self.interp.enable_transfers(TransferOps(self.interp, server.transfers, loop, server.limits["max_frame"]))
+        self.features = codec.agreed_features(hello.get("features"))
+        self.data = m.DATA_FEATURE in self.features
+        self.interp.data_frames = self.data
+        self._placed: dict[tuple[int, int], int] = {}  # (upload id, offset) -> bytes the sink put in place
+        set_sink = getattr(conn, "set_data_sink", None)
+        if self.data and set_sink is not None:
+            set_sink(self.sink)
         self.worker = threading.Thread(target=self._work, name=f"ember-session-{self.session_id.hex()[:8]}",
                                        daemon=True)
         server.live.add(self)
         self.worker.start()
 
-    def respond(self, responses: list[list[Any]]) -> None:
-        """Called on the worker (or the loop, inline): encode once, hand the frame to the network loop."""
-        frame = codec.packb(responses)
+    def respond(self, responses: list[list[Any]], data: memoryview | None = None) -> None:
+        """Called on the worker (or the loop, inline): encode once, hand the frame to the network loop.
+
+        With ``data``, ``responses`` is one read answer whose bytes go out as data frames, chunked
+        by the sender on the loop (views of the array: nothing is copied here)."""
+        if data is None:
+            frame: Any = codec.packb(responses)
+        else:
+            req, _, (dt, shape, _, _, _) = responses[0]
+            frame = codec.read_frames(req, dt, shape, data, self.server.limits["chunk"])
         if threading.get_ident() == self._loop_thread:
             self.outbox.put_nowait(frame)
             return
@@ -139,6 +153,29 @@ class Session:
         self.alive = False
         self.inbox.put(None)
 
+    # ---- data frames (on the loop) ---------------------------------------------------
+    def sink(self, head: memoryview, n: int) -> memoryview | None:
+        """The transport's data sink: where an upload chunk's payload should be read into."""
+        try:
+            h = codec.decode_data_head(head)
+        except ProtocolError:
+            return None
+        if len(h) != 7 or h[0] != m.UPLOAD or h[5] is not None:
+            return None
+        dest = self.interp.upload_target(h[1], h[2], h[3], h[4], n, h[6])
+        if dest is not None:
+            self._placed[(h[1], h[4])] = n
+        return dest
+
+    def data_message(self, frame: Any) -> list[Any]:
+        """The UPLOAD message a data frame carries (its bytes, or ``Placed`` when the sink put them)."""
+        head, payload = codec.decode_data(frame)
+        if len(head) != 7 or head[0] != m.UPLOAD or head[5] is not None:
+            raise ProtocolError(f"a data frame from a client must carry one Upload, got {str(head)[:80]}")
+        placed = self._placed.pop((head[1], head[4]), None) if not len(payload) else None
+        head[5] = Placed(placed) if placed is not None else payload
+        return head
+
 
 async def _send_loop(session: Session) -> None:
     outbox = session.outbox
@@ -149,11 +186,16 @@ async def _send_loop(session: Session) -> None:
         await _send_marked(session, frame)
 
 
-async def _send_marked(session: Session, frame: bytes) -> None:
-    """Send one frame with ``session.sending`` raised meanwhile (so frames keep their order)."""
+async def _send_marked(session: Session, frame: Any) -> None:
+    """Send one frame (or a read's data frames) with ``session.sending`` raised meanwhile (so
+    frames keep their order)."""
     session.sending = True
     try:
-        await session.conn.send(frame)
+        if isinstance(frame, bytes):
+            await session.conn.send(frame)
+        else:
+            for parts in frame:
+                await session.conn.send(parts)
     finally:
         session.sending = False
 
@@ -231,14 +273,17 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
         await conn.send(codec.encode_welcome(
             peer_id=server.peer_id, devices=server.device_info(), device=session.device_index,
             limits=server.limits, server_version=server.version, instance=server.instance,
-            transfer_id=server.transfer_peer_id))
+            transfer_id=server.transfer_peer_id, features=session.features))
         max_frame = server.limits["max_frame"] + 4096
         while not sender.done():
             frame = await conn.recv()
             if frame is None:
                 break
             try:
-                batch = codec.decode_batch(frame, max_frame)
+                if codec.is_data(frame) and session.data:
+                    batch = [session.data_message(frame)]
+                else:
+                    batch = codec.decode_batch(frame, max_frame)
             except ProtocolError as e:  # garbage mid-session: say why, end this session only
                 log.info("session %s: %s", session.session_id.hex()[:8], e.message)
                 session.outbox.put_nowait(codec.packb([[0, m.ERROR, to_wire(e)]]))

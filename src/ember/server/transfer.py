@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TransferError
+from ..errors import ProtocolError, TransferError
 from ..protocol import codec
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
@@ -158,9 +158,14 @@ async def serve_transfer(hub: TransferHub, conn: FrameConnection, request: dict[
         await conn.send(codec.packb({"type": "denied", "reason": e.message}))
         return
     flat = memoryview(host.reshape(-1).view(np.uint8))
+    data = m.DATA_FEATURE in codec.agreed_features(request.get("features"))
     await conn.send(codec.packb({"type": "ok", "dtype": host.dtype.name, "shape": list(host.shape),
-                                 "total": len(flat)}))
-    for off in range(0, len(flat), chunk):
+                                 "total": len(flat), "features": [m.DATA_FEATURE] if data else []}))
+    if data:  # data frames: the target can read each chunk straight into place
+        for parts in codec.chunk_frames(flat, chunk):
+            await conn.send(parts)
+        return
+    for off in range(0, len(flat), chunk):  # a target that speaks no data frames: raw chunks
         await conn.send(flat[off:off + chunk])
 
 
@@ -175,24 +180,70 @@ async def download(address: str, cap: bytes, *, timeout: float, max_frame: int) 
         raise TransferError(f"cannot reach the source peer {address}: {getattr(e, 'message', e)}") from None
     try:
         await conn.send(codec.packb({"type": "transfer", "protocol": m.PROTOCOL_VERSION, "capability": cap,
-                                     "wait": timeout}))
+                                     "wait": timeout, "features": list(m.FEATURES)}))
         hdr = codec.unpackb(await _recv(conn, timeout + UNANNOUNCED_WAIT + 5.0))
         if not isinstance(hdr, dict) or hdr.get("type") != "ok":
             reason = hdr.get("reason", "no reason given") if isinstance(hdr, dict) else "malformed answer"
             raise TransferError(f"the source peer denied the transfer: {reason}")
         total = int(hdr["total"])
-        buf = bytearray(total)
-        got = 0
-        while got < total:
-            part = await _recv(conn, timeout)
-            buf[got:got + len(part)] = part
-            got += len(part)
-        return np.frombuffer(buf, dtype=np.dtype(hdr["dtype"])).reshape(hdr["shape"])
+        buf = np.empty(total, np.uint8)
+        view = memoryview(buf)
+        if m.DATA_FEATURE in codec.agreed_features(hdr.get("features")):
+            await _receive_data(conn, view, timeout)
+        else:
+            got = 0
+            while got < total:
+                part = await _recv(conn, timeout)
+                if got + len(part) > total:
+                    raise TransferError("the source peer sent more bytes than it announced")
+                view[got:got + len(part)] = part
+                got += len(part)
+        return buf.view(np.dtype(hdr["dtype"])).reshape(hdr["shape"])
     finally:
         try:
             await asyncio.wait_for(conn.close(), 2.0)
         except Exception:
             pass
+
+
+async def _receive_data(conn: FrameConnection, view: memoryview, timeout: float) -> None:
+    """Data frames ``[offset, nil, total]`` into ``view``, in order; straight into place where the
+    transport has a data sink."""
+    total, got = len(view), 0
+    placed: dict[int, int] = {}
+
+    def sink(head: memoryview, n: int) -> memoryview | None:
+        try:
+            off, _, tot = codec.decode_data_head(head)
+        except (ProtocolError, ValueError):
+            return None
+        if type(off) is not int or tot != total or not 0 <= off <= total - n:
+            return None
+        placed[off] = n
+        return view[off:off + n]
+
+    set_sink = getattr(conn, "set_data_sink", None)
+    if set_sink is not None:
+        set_sink(sink)
+    try:
+        while got < total:
+            frame = await _recv(conn, timeout)
+            try:
+                (off, _, _), payload = codec.decode_data(frame)
+            except (ProtocolError, ValueError):
+                raise TransferError("the source peer sent a malformed chunk") from None
+            n = placed.pop(off, None) if not len(payload) else None
+            if n is None:
+                n = len(payload)
+                if type(off) is not int or not 0 <= off <= total - n:
+                    raise TransferError("the source peer sent a chunk outside the tensor")
+                view[off:off + n] = payload
+            if off != got or not n:
+                raise TransferError("the source peer sent chunks out of order")
+            got += n
+    finally:
+        if set_sink is not None:
+            set_sink(None)
 
 
 async def _recv(conn: FrameConnection, timeout: float) -> bytes:

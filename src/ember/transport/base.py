@@ -3,11 +3,69 @@
 A *frame* is an opaque byte string. Every transport gives the session pump the
 same three verbs (Burn Remote's ``drive_session`` seam): send a frame, receive a
 frame, and who is the peer. Adding a transport never touches session logic.
+
+Two optional refinements let bulk data move without copies in Python:
+
+* ``send`` also takes a *gathered* frame: a tuple or list of byte buffers whose
+  concatenation is the frame (a small header and a view of an array). Every
+  transport accepts it; one that can writes the parts with scatter-gather I/O.
+* ``set_data_sink(sink)``: a transport that can read into a caller's buffer calls
+  ``sink(head)`` when a *data frame* arrives (``protocol.messages``: first byte
+  0xC1, then the head's length and the head) with the head's bytes and the
+  payload's length; when the sink returns a writable memoryview of exactly that
+  length, the payload is read straight into it and ``recv`` returns the frame
+  without its payload. When the sink returns None (or the transport has no
+  sink), ``recv`` returns the whole frame. Transports only recognise the
+  envelope; what a head means is the session's business.
 """
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable, Protocol, runtime_checkable
+import errno
+from typing import Awaitable, Callable, Protocol, Sequence, Union, runtime_checkable
+
+from ..errors import BindError
+
+Buffer = Union[bytes, bytearray, memoryview]
+#: One frame: a buffer, or a sequence of buffers sent as their concatenation.
+Frame = Union[Buffer, Sequence[Buffer]]
+#: ``sink(head, payload_length)`` -> where the payload goes, or None.
+DataSink = Callable[[memoryview, int], "memoryview | None"]
+
+
+_BIND_CAUSES = {errno.EADDRINUSE: ("address_in_use", "pick another port, or port 0 for a free one"),
+                errno.EADDRNOTAVAIL: ("address_not_available", "bind an address this host owns, e.g. 127.0.0.1")}
+
+
+def bind_error(e: OSError, where: str, what: str, flag: str) -> BindError:
+    """A listener's bind failure as a ``BindError`` with its cause and a hint."""
+    cause, hint = _BIND_CAUSES.get(e.errno or 0, ("other", f"check the {flag} address"))
+    return BindError(f"cannot listen on {where} for {what}: {e.strerror or e}",
+                     cause=cause, hint=hint, transient=cause == "address_in_use")
+
+
+def frame_parts(frame: Frame) -> list[memoryview]:
+    """The parts of ``frame`` as flat byte views (a buffer is one part)."""
+    if isinstance(frame, (bytes, bytearray, memoryview)):
+        parts: Sequence[Buffer] = (frame,)
+    else:
+        parts = frame
+    out = []
+    for p in parts:
+        v = p if isinstance(p, memoryview) else memoryview(p)
+        if v.ndim != 1 or v.itemsize != 1:
+            v = v.cast("B") if v.c_contiguous else memoryview(v.tobytes())
+        out.append(v)
+    return out
+
+
+def frame_bytes(frame: Frame) -> bytes:
+    """``frame`` as one bytes object (transports that must copy anyway)."""
+    if isinstance(frame, bytes):
+        return frame
+    if isinstance(frame, (bytearray, memoryview)):
+        return bytes(frame)
+    return b"".join(frame_parts(frame))
 
 
 @runtime_checkable
@@ -20,8 +78,10 @@ class FrameConnection(Protocol):
     #: Human-readable remote address, for messages.
     remote: str
 
-    async def send(self, frame: bytes | bytearray | memoryview) -> None:
-        """Send one frame. Raises ``ConnectionError`` once the link is gone."""
+    async def send(self, frame: Frame) -> None:
+        """Send one frame (a buffer, or the parts of one). Raises ``ConnectionError`` once the
+        link is gone. When it returns, the frame's buffers are no longer referenced: the
+        caller may reuse or change them."""
 
     async def recv(self) -> bytes | None:
         """Next frame; ``None`` when the peer closed the stream cleanly.

@@ -12,6 +12,9 @@ frame of a stream is the header ``{"kind": ..., "version": 1}`` (MessagePack).
   (the peer sees a clean error, never a torn frame);
 * a length prefix above ``max_frame`` fails the stream with
   :class:`FrameTooLarge` (a ``ConnectionError``) and stops it;
+* ``send`` takes gathered frames (written part by part, no join) and
+  ``set_data_sink`` places data-frame payloads straight into the caller's
+  buffer (read in ``_BULK_READ`` pieces; see ``transport.base``);
 * every step of ``close`` is bounded.
 """
 
@@ -26,7 +29,10 @@ import msgpack
 
 from ember.errors import LimitExceeded
 
+from ..protocol import codec
+from ..protocol import messages as pm
 from . import iroh_fastcopy
+from .base import DataSink, Frame, frame_parts
 from .iroh_endpoint import iroh_message
 
 __all__ = ["STREAM_VERSION", "DEFAULT_MAX_FRAME", "HEADER_LIMIT", "KINDS", "FrameTooLarge",
@@ -38,6 +44,7 @@ DEFAULT_MAX_FRAME = 64 * 2**20 + 2**20
 HEADER_LIMIT = 4096
 KINDS = ("session", "transfer")
 _READ_CHUNK = 64 * 1024
+_BULK_READ = 1 << 20  # reads of a data-frame payload (64 KiB-1 MiB reads beat one huge read)
 _WRITE_CHUNK = 4 * 2**20
 _INLINE = 64 * 1024
 _CLOSE_STEP = 1.0
@@ -96,6 +103,11 @@ class IrohConnection:
         self._closed = False
         self._broken: str | None = None
         self._violation: int | None = None  # reset code owed to the peer
+        self._sink: DataSink | None = None
+
+    def set_data_sink(self, sink: DataSink | None) -> None:
+        """Read data-frame payloads into the buffers ``sink`` returns (see ``transport.base``)."""
+        self._sink = sink
 
     @property
     def connection_id(self) -> int:
@@ -127,21 +139,58 @@ class IrohConnection:
                     self._violation = CODE_TOO_LARGE
                     raise FrameTooLarge(f"incoming frame of {n} bytes exceeds the limit of {limit} bytes")
                 limit = self.max_frame
-                if len(buf) >= 4 + n:
-                    frame = bytes(buf[4:4 + n])
-                    del buf[:4 + n]
-                else:
-                    head = bytes(buf[4:])
-                    buf.clear()
-                    rest = await self._recv.read_exact(n - len(head))
-                    frame = head + rest if head else rest
-                await self._q.put(frame)
+                if self._sink is not None and n >= pm.INLINE_DATA:
+                    if len(buf) < 5:
+                        buf += await self._recv.read_exact(5 - len(buf))
+                    if buf[4] == pm.DATA_MARK:
+                        await self._q.put(await self._read_data(buf, n))
+                        continue
+                await self._q.put(await self._read_rest(buf, n))
         except asyncio.CancelledError:
             raise
         except ConnectionError as e:
             await self._q.put(e)
         except Exception as e:  # noqa: BLE001 - IrohError and friends
             await self._q.put(ConnectionError(describe_stream_error(e)))
+
+    async def _read_rest(self, buf: bytearray, n: int) -> bytes:
+        """The frame of ``n`` bytes whose start (after its length) is in ``buf``."""
+        if len(buf) >= 4 + n:
+            frame = bytes(buf[4:4 + n])
+            del buf[:4 + n]
+            return frame
+        head = bytes(buf[4:])
+        buf.clear()
+        rest = await self._recv.read_exact(n - len(head))
+        return head + rest if head else rest
+
+    async def _read_data(self, buf: bytearray, n: int) -> bytes:
+        """A data frame of ``n`` bytes whose start is in ``buf``: its payload goes where the sink says."""
+        assert self._sink is not None
+        while len(buf) < 4 + pm.DATA_PREFIX:
+            buf += await self._recv.read_exact(4 + pm.DATA_PREFIX - len(buf))
+        hn = pm.DATA_PREFIX + codec.data_head_size(buf[4:4 + pm.DATA_PREFIX])
+        if hn > n:
+            raise ConnectionError(f"data frame head of {hn} bytes in a frame of {n} bytes")
+        if len(buf) < 4 + hn:
+            buf += await self._recv.read_exact(4 + hn - len(buf))
+        prefix = bytes(buf[4:4 + hn])
+        left = n - hn
+        dest = self._sink(memoryview(prefix)[pm.DATA_PREFIX:], left)
+        if dest is None or dest.nbytes != left:
+            return await self._read_rest(buf, n)
+        got = min(left, len(buf) - 4 - hn)
+        dest[:got] = buf[4 + hn:4 + hn + got]
+        del buf[:4 + hn + got]
+        read = self._recv.read
+        while got < left:
+            part = await read(min(left - got, _BULK_READ))
+            if not part:
+                raise ConnectionError("stream ended in the middle of a frame")
+            k = len(part)
+            dest[got:got + k] = part
+            got += k
+        return prefix
 
     async def recv(self) -> bytes | None:
         """Next frame, ``None`` at a clean end; ``ConnectionError`` if broken.
@@ -160,32 +209,35 @@ class IrohConnection:
         return item
 
     # -- sending -----------------------------------------------------------
-    async def send(self, frame: bytes | bytearray | memoryview) -> None:
-        """Send one frame. ``LimitExceeded`` above ``max_frame``."""
+    async def send(self, frame: Frame) -> None:
+        """Send one frame (or the parts of one). ``LimitExceeded`` above ``max_frame``."""
         if self._closed:
             raise ConnectionError("stream closed")
         if self._broken:
             raise ConnectionError(self._broken)
-        if isinstance(frame, bytes):
-            mv: Any = frame
-        else:
-            mv = memoryview(frame)
-            mv = mv.cast("B") if mv.c_contiguous else memoryview(mv.tobytes())
-        n = len(mv) if isinstance(mv, bytes) else mv.nbytes
+        parts: Any = [frame] if isinstance(frame, bytes) else frame_parts(frame)
+        n = sum(len(p) for p in parts)
         if n > self.max_frame:
             raise LimitExceeded(f"frame of {n} bytes exceeds the limit of {self.max_frame} bytes")
         prefix = n.to_bytes(4, "big")
         async with self._send_lock:
             try:
                 if n <= _INLINE:
-                    await self._send.write_all(prefix + bytes(mv))
+                    await self._send.write_all(prefix + b"".join(parts))
                 else:
-                    await self._send.write_all(prefix)
-                    view = memoryview(mv)
                     fast = iroh_fastcopy.fast_copy_installed()
-                    for off in range(0, n, _WRITE_CHUNK):
-                        part = view[off:off + _WRITE_CHUNK]
-                        await self._send.write_all(part if fast else part.tobytes())
+                    first = True
+                    for p in parts:
+                        if first and len(p) <= _INLINE:  # the prefix rides with a small first part
+                            await self._send.write_all(prefix + bytes(p))
+                            first = False
+                            continue
+                        if first:
+                            await self._send.write_all(prefix)
+                            first = False
+                        for off in range(0, len(p), _WRITE_CHUNK):
+                            piece = p[off:off + _WRITE_CHUNK]
+                            await self._send.write_all(piece if fast else bytes(piece))
             except asyncio.CancelledError:
                 self._broken = "a send was cancelled midway; the stream is no longer usable"
                 with suppress(Exception):

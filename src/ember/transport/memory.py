@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from .base import Frame, frame_bytes
+
 
 class MemoryConnection:
     """One end of an in-process frame link (same event loop on both ends)."""
@@ -16,10 +18,10 @@ class MemoryConnection:
         self._closed = False
         self.remote = remote
 
-    async def send(self, frame: bytes | bytearray | memoryview) -> None:
+    async def send(self, frame: Frame) -> None:
         if self._closed:
             raise ConnectionError("memory link closed")
-        self._outbox.put_nowait(bytes(frame))
+        self._outbox.put_nowait(frame_bytes(frame))  # a copy: the sender may change its buffers
 
     async def recv(self) -> bytes | None:
         if self._closed:

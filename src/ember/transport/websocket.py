@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import ssl as _ssl
 from typing import Any
 
@@ -11,11 +10,8 @@ import websockets
 from websockets.asyncio.client import connect as ws_connect
 from websockets.asyncio.server import ServerConnection, serve
 
-from ..errors import BindError, ConnectError
-from .base import SessionHandler
-
-_BIND_CAUSES = {errno.EADDRINUSE: ("address_in_use", "pick another port, or port 0 for a free one"),
-                errno.EADDRNOTAVAIL: ("address_not_available", "bind an address this host owns, e.g. 127.0.0.1")}
+from ..errors import ConnectError
+from .base import Frame, SessionHandler, bind_error, frame_parts
 
 
 def _ws_options(max_frame: int) -> dict[str, Any]:
@@ -34,9 +30,12 @@ class WebSocketConnection:
         self._ws = ws
         self.remote = remote
 
-    async def send(self, frame: bytes | bytearray | memoryview) -> None:
+    async def send(self, frame: Frame) -> None:
         try:
-            await self._ws.send(frame)
+            if isinstance(frame, (bytes, bytearray, memoryview)):
+                await self._ws.send(frame)
+            else:  # a gathered frame: one fragmented message, no join on this side
+                await self._ws.send(frame_parts(frame))
         except websockets.ConnectionClosed as e:
             raise ConnectionError(f"WebSocket to {self.remote} closed: {e}") from None
 
@@ -71,9 +70,7 @@ class WebSocketListener:
             self._server = await serve(on_connect, self.host, self.port, ssl=self.ssl,
                                        **_ws_options(self.max_frame))
         except OSError as e:
-            cause, hint = _BIND_CAUSES.get(e.errno or 0, ("other", "check the --websocket address"))
-            raise BindError(f"cannot listen on {self.host}:{self.port} for WebSocket: {e.strerror or e}",
-                            cause=cause, hint=hint, transient=cause == "address_in_use") from None
+            raise bind_error(e, f"{self.host}:{self.port}", "WebSocket", "--websocket") from None
         scheme = "wss" if self.ssl else "ws"
         for sock in self._server.sockets:
             host, port = sock.getsockname()[:2]

@@ -1,0 +1,201 @@
+"""Bulk data for a ClientSession: large uploads and reads in data frames, waits with progress.
+
+A large upload is one ``Upload`` job for the session's sender: data frames whose payloads
+are views of the caller's array (``protocol.codec.upload_frames``). The caller's thread
+waits until the last frame has left (backpressure instead of a queue of copies), so the
+client holds the array once, however large. A large read arrives in data frames; where
+the transport has a data sink (``transport.base``), each payload is read straight into
+the array being assembled, else it is copied there from the frame.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import EmberError, ProtocolError
+from ..protocol import codec
+from ..protocol import messages as m
+
+
+class ReadTimeout(EmberError, TimeoutError):
+    """A read or sync did not complete within its deadline."""
+
+
+class Waiter:
+    """One outstanding request: completed on the I/O loop, awaited on a user thread.
+
+    A pre-acquired lock is the cheapest one-shot signal between two threads
+    (one futex, no Condition), which matters on the op + read round trip.
+    """
+
+    __slots__ = ("_lock", "value", "error", "buf", "done")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.buf: Any = None  # a large read's bytes, assembled as they arrive
+        self.done = 0         # bytes of it (or of an upload) so far, for progress
+
+    def set(self) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:  # already set (a loss racing an answer)
+            pass
+
+    def wait(self, timeout: float) -> bool:
+        return self._lock.acquire(timeout=timeout)
+
+
+class Upload:
+    """A large upload for the sender: data frames over views of the caller's array, sent in order;
+    the caller waits (``waiter``) until the last one has left, so its array is never copied."""
+
+    __slots__ = ("frames", "waiter")
+
+    def __init__(self, frames: Any, waiter: Waiter) -> None:
+        self.frames, self.waiter = frames, waiter
+
+
+class BulkData:
+    """The bulk-data half of ``ClientSession``, which supplies the attributes declared here and
+    ``record``, ``_flush_locked`` and ``_lost_error``."""
+
+    data: bool
+    chunk: int
+    read_timeout: float
+    address: str
+    lost: EmberError | None
+    stats: dict[str, int]
+    conn: Any
+    loop: Any
+    ids: Any
+    _waiters: dict[int, Waiter]
+    _frames: Any
+    _lock: threading.Lock
+    _last_recv: float
+    _wake: Any
+
+    def upload(self, arr: np.ndarray, progress: Any = None) -> int:
+        """Send host data; returns the new tensor id.
+
+        Small arrays ride in the next batch. Larger ones go in data frames over views of the
+        array: this thread waits until the last byte has left (backpressure; the array is never
+        copied, so it must not change meanwhile), ``progress`` (``client.progress``) showing it.
+        A peer that speaks no data frames gets MessagePack chunks, as before."""
+        arr = np.asarray(arr, order="C")
+        tid = next(self.ids)
+        flat = memoryview(arr.reshape(-1).view(np.uint8))
+        total, dt, shape = len(flat), arr.dtype.name, list(arr.shape)
+        if total <= m.INLINE_DATA:
+            self.record([m.UPLOAD, tid, dt, shape, 0, bytes(flat), total])
+            return tid
+        if self.lost is not None:
+            raise self._lost_error()
+        if not self.data:
+            with self._lock:
+                self._flush_locked()
+                for off in range(0, total, self.chunk):
+                    frame = codec.packb([[m.UPLOAD, tid, dt, shape, off, flat[off:off + self.chunk], total]])
+                    self.stats["bytes_sent"] += len(frame)
+                    self._frames.append(frame)
+            self.loop.call_soon_threadsafe(self._wake.set)
+            return tid
+        w = Waiter()
+        key = -tid  # a waiter (so a lost session wakes it) no answer will ever name
+        self._waiters[key] = w
+        with self._lock:
+            self._flush_locked()
+            self._frames.append(Upload(codec.upload_frames(tid, dt, shape, flat, self.chunk), w))
+            self.stats["bytes_sent"] += total
+        self.loop.call_soon_threadsafe(self._wake.set)
+        try:
+            self._wait(w, total, progress, f"upload {size_text(total)}", self.read_timeout)
+        finally:
+            self._waiters.pop(key, None)
+        return tid
+
+    def _wait(self, w: _Waiter, total: int, progress: Any, what: str, timeout: float) -> None:
+        """Wait for ``w``; ``timeout`` bounds a stretch without progress. ``progress`` shows the bytes."""
+        bar = progress.bar(total, what) if progress is not None else None
+        try:
+            last, t_last = -1, time.monotonic()
+            while not w.wait(0.1 if bar is not None else min(timeout, 1.0)):
+                done = w.done
+                if bar is not None:
+                    bar.update_to(done)
+                now = time.monotonic()
+                if done != last:
+                    last, t_last = done, now
+                elif now - t_last > timeout:
+                    raise ReadTimeout(f"{what}: no progress with {self.address} for {timeout:g} s",
+                                      hint="a long computation? pass a larger read_timeout to ember.connect")
+                if self.lost is not None and w.error is None:
+                    raise self._lost_error()
+            if bar is not None and w.error is None:
+                bar.update_to(total)
+        finally:
+            if bar is not None:
+                bar.close()
+        if w.error is not None:
+            raise w.error
+
+    async def _send_upload(self, job: Upload) -> None:
+        """Send an upload's data frames; its caller waits until the last one has left."""
+        w, send = job.waiter, self.conn.send
+        for parts in job.frames:
+            await send(parts)
+            w.done += len(parts[1])
+            self._last_recv = time.monotonic()  # a sign of life (see above)
+        w.set()
+
+    # ---- receiving -----------------------------------------------------------------------
+    def _sink(self, head: memoryview, n: int) -> Any:
+        """The transport's data sink: a read's chunk goes straight into the array it answers."""
+        try:
+            req, status, p = codec.decode_data_head(head)
+            off, total = p[-3], p[-1]
+        except (ProtocolError, ValueError, TypeError, IndexError):
+            return None
+        w = self._waiters.get(req)
+        if w is None or type(off) is not int or type(total) is not int or not 0 <= off <= total - n:
+            return None
+        if w.buf is None:
+            w.buf = np.empty(total, np.uint8)
+        elif len(w.buf) != total:
+            return None
+        w.done += n
+        return memoryview(w.buf)[off:off + n]
+
+    def _data_frame(self, frame: Any) -> None:
+        """A chunk of a large read in a data frame (its payload placed by ``_sink``, or in the frame)."""
+        (req, status, p), payload = codec.decode_data(frame)
+        w = self._waiters.get(req)
+        if w is None:
+            return
+        if len(payload):
+            off, total = p[-3], p[-1]
+            if w.buf is None:
+                w.buf = np.empty(total, np.uint8)
+            w.buf[off:off + len(payload)] = np.frombuffer(payload, np.uint8)
+            w.done += len(payload)
+        if status == m.CHUNK:
+            return
+        del self._waiters[req]
+        if status == m.OK:
+            p[-2] = w.buf if w.buf is not None else np.empty(0, np.uint8)
+            w.value = p
+        else:
+            w.error = ProtocolError(f"unexpected status {status} in a data frame")
+        w.set()
+
+
+def size_text(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
