@@ -30,7 +30,7 @@ def test_quick_suite_prints_a_table_and_writes_json(tmp_path: Path) -> None:
         assert figs["upload_4MiB_MBps"][t]["median"] > 0
         assert figs["graph_wire_ratio"][t]["median"] >= 10  # replayed steps: 10x fewer bytes
     assert figs["pipelined_ops_s"]["numpy"]["median"] > 0
-    assert figs["latency_p50_us"]["tcp"]["median"] > 0
+    assert figs["latency_p50_us"]["raw_tcp"]["median"] > 0
     assert report["targets"]["graph_wire_ratio"]["websocket"]["met"]
     if "iroh" not in report["meta"]["skipped"]:
         assert figs["pipelined_ops_s"]["iroh"]["median"] > 0

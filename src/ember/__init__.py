@@ -12,6 +12,7 @@ from __future__ import annotations
 from . import embedded, errors
 from ._version import __version__
 from .client.device import Device, connect, default_device, devices, set_default_device
+from .client.progress import set_progress
 from .errors import EmberError
 
 
@@ -28,4 +29,4 @@ def custom_op(name: str, *arrays: object, outputs: list[tuple[tuple[int, ...], o
 
 
 __all__ = ["__version__", "errors", "EmberError", "Device", "connect", "devices", "set_default_device",
-           "default_device", "custom_op"]
+           "default_device", "custom_op", "set_progress"]

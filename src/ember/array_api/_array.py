@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..client.progress import choose
 from ..client.session import ClientSession
 from ..protocol import messages as m
 from . import _dtypes as d
@@ -83,9 +84,11 @@ class RemoteArray:
         return NAMESPACE[0]
 
     # ---- reading -----------------------------------------------------------------
-    def to_numpy(self, timeout: float | None = None) -> np.ndarray:
-        """Fetch the value (blocks until computed, with a deadline)."""
-        return self._session.read(self._id, timeout)
+    def to_numpy(self, timeout: float | None = None, progress: bool | None = None) -> np.ndarray:
+        """Fetch the value (blocks until computed, with a deadline). ``progress``: a bar for a large
+        download (True always, False never, None as ``ember.set_progress`` says)."""
+        n = self._dtype.itemsize * self.size
+        return self._session.read(self._id, timeout, progress=choose(progress, n), nbytes=n)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         a = self.to_numpy()

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..client.progress import choose
 from . import _dtypes as d
 from ._array import RemoteArray, emit, emit_multi, real_dtype, same_device, scalar_array
 from ._device import check_dtype, resolve
@@ -51,12 +52,12 @@ def _create(name: str, device: Any, kwargs: dict[str, Any], shape: tuple[int, ..
     return emit(name, args, (1 << len(args)) - 1, kwargs, shape, dt, session=dev.session, dev=dev)
 
 
-def upload(arr: np.ndarray, dev: Any) -> RemoteArray:
-    """Send host data to ``dev`` as a new array."""
+def upload(arr: np.ndarray, dev: Any, progress: bool | None = None) -> RemoteArray:
+    """Send host data to ``dev`` as a new array (``progress``: see ``ember.client.progress``)."""
     dt = d.to_dtype(arr.dtype)
     check_dtype(dev, dt)
     s = dev.session
-    return RemoteArray(s.upload(arr), tuple(arr.shape), dt, dev, s)
+    return RemoteArray(s.upload(arr, progress=choose(progress, arr.nbytes)), tuple(arr.shape), dt, dev, s)
 
 
 def _host(obj: Any, dtype: DType | None) -> np.ndarray:
@@ -74,7 +75,11 @@ def _host(obj: Any, dtype: DType | None) -> np.ndarray:
     return arr
 
 
-def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: bool | None = None) -> RemoteArray:
+def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: bool | None = None,
+            progress: bool | None = None) -> RemoteArray:
+    """The standard's ``asarray``; ``progress`` (an Ember extension) shows a bar for a large upload:
+    True always, False never, None as ``ember.set_progress`` says (default: 64 MiB and more, in a
+    terminal or notebook)."""
     dt = None if dtype is None else to_dtype(dtype)
     if isinstance(obj, RemoteArray):
         out = obj if device is None or device is obj.device else obj.to_device(device)
@@ -93,7 +98,7 @@ def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: bool | 
         from ._manipulation import stack  # a sequence of ember arrays stays on the peer
         out = stack(obj)
         return out if dt is None or dt is out.dtype else _astype(out, dt)
-    return upload(_host(obj, dt), resolve(device))
+    return upload(_host(obj, dt), resolve(device), progress)
 
 
 def _astype(x: RemoteArray, dt: DType) -> RemoteArray:

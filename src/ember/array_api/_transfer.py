@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from ..client.device import LOCAL
+from ..client.progress import choose
 from ..errors import TransferError
 from ..protocol import messages as m
 from ..transport import is_iroh_address
@@ -33,7 +34,10 @@ RemoteArray.to_device = to_device  # type: ignore[attr-defined]
 
 
 def move(x: RemoteArray, device: Any, *, via_client: bool = False, downloads: int = 1, ttl: float = 300.0,
-         timeout: float = 120.0) -> RemoteArray:
+         timeout: float = 120.0, progress: bool | None = None) -> RemoteArray:
+    """``progress``: a bar for a large move (True always, False never, None as ``ember.set_progress``
+    says). Through the client it counts bytes down and up; between peers the client sees no bytes,
+    so the bar waits for the move to finish (the call then returns once it has)."""
     dst = resolve(device)
     src = x.device
     if dst is src:
@@ -41,7 +45,22 @@ def move(x: RemoteArray, device: Any, *, via_client: bool = False, downloads: in
     check_dtype(dst, x.dtype)
     if via_client or LOCAL in (src.address, dst.address):
         from ._creation import upload
-        return upload(x.to_numpy(), dst)
+        return upload(x.to_numpy(progress=progress), dst, progress)
+    out = _move(x, dst, downloads, ttl, timeout)
+    n = x.dtype.itemsize * x.size
+    prog = choose(progress, n)
+    if prog is not None:
+        bar = prog.bar(n, f"move {n / 2**20:.0f} MiB")
+        try:
+            dst.sync(timeout)
+            bar.update_to(n)
+        finally:
+            bar.close()
+    return out
+
+
+def _move(x: RemoteArray, dst: Any, downloads: int, ttl: float, timeout: float) -> RemoteArray:
+    src = x.device
     ss, ds = x._session, dst.session
     if ss.lost is not None:
         raise TransferError(f"the source device's session is gone: {ss.lost.message}",

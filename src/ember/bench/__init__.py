@@ -13,6 +13,15 @@ Figures (each over the in-memory link, WebSocket and iroh, repeated; medians rep
   Baseline: raw asyncio TCP bulk transfer of the same size.
 * ``graphs``     wire bytes of a repeated ~50-op training step, first (sent op by op)
   vs replayed (op-graph caching), and the step time with graph caching off and on.
+* ``memory``     peak client memory during a 1 GiB upload over the array's size (a fresh
+  client process per transport).
+* ``--link-delay MS``: the slow-link figure (``bench.slow_link``): the demo fit and a
+  training loop with the peer behind a delaying loopback proxy, against torch.rpc.
+
+Baselines for latency, bandwidth and pipelined ops also include torch.distributed.rpc
+(``bench.rpc_baseline``: TensorPipe's default transports, and its TCP transport alone),
+each run alternating with Ember's runs. Ratios against the issue's targets are printed
+after the table.
 
 The server runs in a separate process (``python -m ember.bench --child``) that also
 hosts the raw-TCP and rpyc baselines; with two or more CPUs the client is pinned to
@@ -33,7 +42,7 @@ import time
 from typing import Any, Callable
 
 from .common import FIGURES, TRANSPORTS, Config
-from .report import format_table, write_chart
+from .report import format_ratios, format_table, write_chart
 from .server_process import child_main
 from .suite import Suite
 
@@ -48,6 +57,10 @@ def run(argv: list[str] | None = None, out: Callable[[str], None] = print) -> di
 def run_args(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[str, Any]:
     os.environ.setdefault("EMBER_OFFLINE", "1")  # loopback only: no relays, no discovery
     cfg = Config.make(args.quick, args.repeat)
+    if args.link_delay:
+        cfg.link_delays = tuple(float(x) for x in args.link_delay.split(",") if x.strip())
+    if args.link_steps:
+        cfg.link_steps = args.link_steps
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     figures = [f.strip() for f in args.only.split(",") if f.strip()] if args.only else list(FIGURES)
     for t in transports:
@@ -58,6 +71,7 @@ def run_args(args: argparse.Namespace, out: Callable[[str], None] = print) -> di
             raise SystemExit(f"ember bench: unknown figure {f!r} (choose from {', '.join(FIGURES)})")
     report = Suite(cfg, transports, figures, pin=not args.no_pin, log=out).run()
     out(format_table(report))
+    out(format_ratios(report))
     os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = os.path.join(args.out, f"bench-{'quick-' if cfg.quick else ''}{stamp}.json")
@@ -75,20 +89,37 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p = p or argparse.ArgumentParser(prog="ember bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, few repeats: a smoke run of seconds")
     p.add_argument("--transports", default=",".join(TRANSPORTS),
-                   help="comma-separated, from: memory, websocket, iroh (default: all)")
+                   help="comma-separated, from: memory, websocket, tcp, iroh (default: all)")
     p.add_argument("--only", default="", help=f"comma-separated figures, from: {', '.join(FIGURES)}")
     p.add_argument("--repeat", type=int, default=None, help="runs per figure (default 5, quick 2)")
     p.add_argument("--out", default=os.path.join("bench", "results"), help="directory for the JSON (and PNG)")
     p.add_argument("--no-pin", action="store_true", help="do not pin client and server to separate cores")
     p.add_argument("--no-chart", action="store_true", help="do not write the PNG chart")
+    p.add_argument("--link-delay", default="", metavar="MS[,MS]",
+                   help="also run the slow-link figure with the peer behind a loopback proxy adding this RTT "
+                        "(e.g. 10,50): the demo fit and a training loop, against torch.rpc one call per op")
+    p.add_argument("--link-steps", type=int, default=None, help="steps of each slow-link workload (default 50)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    core = int(argv[argv.index("--core") + 1]) if "--core" in argv else None
     if argv and argv[0] == "--child":
-        core = int(argv[argv.index("--core") + 1]) if "--core" in argv else None
         child_main(core, "--no-iroh" not in argv)
+        return 0
+    if argv and argv[0] == "--memory-child":
+        from .server_process import memory_child
+        memory_child(argv[1], int(argv[2]))
+        return 0
+    if argv and argv[0] == "--proxy":
+        from .slow_link import proxy_main
+        proxy_main(argv[1], argv[argv.index("--upstream") + 1], float(argv[argv.index("--delay-ms") + 1]), core)
+        return 0
+    if argv and argv[0] in ("--rpc-server", "--rpc-client"):
+        from . import rpc_baseline
+        port, transport = int(argv[argv.index("--port") + 1]), argv[argv.index("--rpc-transport") + 1]
+        (rpc_baseline.server_main if argv[0] == "--rpc-server" else rpc_baseline.client_main)(port, core, transport)
         return 0
     run(argv)
     return 0

@@ -26,8 +26,13 @@ _ROWS = [
     ("graph_wire_ratio", "step bytes first/replayed (×)", "{:,.1f}"),
     ("graph_step_off_us", "step time, graphs off (µs)", "{:,.0f}"),
     ("graph_step_on_us", "step time, graphs on (µs)", "{:,.0f}"),
+    ("upload_peak_memory_ratio", "1 GiB upload: peak memory / array", "{:,.2f}"),
+    ("upload_peak_memory_MBps", "1 GiB upload (MB/s)", "{:,.0f}"),
+    *[(f"link_{w}_{ms}ms_{u}", f"{label}, {ms} ms RTT ({unit})", fmt)
+      for ms in ("10", "50") for w, label in (("lsq", "slow link: lsq fit"), ("mlp", "slow link: 50-step MLP"))
+      for u, unit, fmt in (("s", "s", "{:,.3f}"), ("ratio", "torch.rpc / Ember", "{:,.1f}"))],
 ]
-_BASE_COLS = ("numpy", "tcp", "ws_echo", "iroh_frames", "thread_hop", "rpyc")
+_BASE_COLS = ("numpy", "raw_tcp", "ws_echo", "iroh_frames", "thread_hop", "rpc", "rpc_uv", "rpc_model", "rpyc")
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -59,11 +64,25 @@ def format_table(report: dict[str, Any]) -> str:
     pin = m["pinned"]
     out.append(f"medians of {m['repeat']} runs; client on core {pin['client']}, server process on core {pin['server']}"
                if pin else f"medians of {m['repeat']} runs; not pinned ({m['cpus']} CPUs)")
-    out.append("baselines: numpy = the chain in local NumPy; tcp = raw asyncio TCP; ws_echo = websockets echo; "
+    out.append("baselines: numpy = the chain in local NumPy; raw_tcp = raw asyncio TCP between the two processes; ws_echo = websockets echo; "
                "iroh_frames = raw frames on one iroh stream (Ember's transport, no session); "
-               "thread_hop = asyncio call_soon_threadsafe round trip; rpyc = rpyc driving remote NumPy, one call per op")
+               "thread_hop = asyncio call_soon_threadsafe round trip; rpyc = rpyc driving remote NumPy, one call per op; "
+               "rpc = torch.distributed.rpc (TensorPipe, its own choice of transport: shared memory on one host), "
+               "rpc_uv = the same over TensorPipe's TCP transport; rpc_model = rpc_uv on loopback + one RTT per call")
     for t, why in m.get("skipped", {}).items():
         out.append(f"skipped {t}: {why}")
+    return "\n".join(out)
+
+
+def format_ratios(report: dict[str, Any]) -> str:
+    """The issue's ratio targets: Ember over a baseline, medians of this run."""
+    rows = report.get("ratios") or []
+    if not rows:
+        return ""
+    out = ["ratios (Ember / baseline, same run):"]
+    for r in rows:
+        out.append(f"  {r['figure']:<22} {r['ember']:<9} / {r['baseline']:<11} = {r['ratio']:6.2f}  "
+                   f"target {r['target']:<6} {'✓' if r['met'] else '✗'}")
     return "\n".join(out)
 
 
@@ -83,7 +102,7 @@ def write_chart(report: dict[str, Any], path: str) -> str | None:
         axes[0].bar(cols, [figs["pipelined_ops_s"][c]["median"] for c in cols], color="#d2691e")
         axes[0].set_yscale("log")
         axes[0].set_title("pipelined small ops (ops/s, log)")
-    bcols = [c for c in TRANSPORTS + ("tcp", "iroh_frames") if any(c in figs[k] for k in bw_keys)]
+    bcols = [c for c in TRANSPORTS + ("raw_tcp", "iroh_frames") if any(c in figs[k] for k in bw_keys)]
     width = 0.8 / max(1, len(bcols))
     for i, c in enumerate(bcols):
         xs = [j + i * width for j in range(len(bw_keys))]

@@ -15,16 +15,19 @@ from .common import MiB
 
 
 def child_main(core: int | None, iroh_on: bool) -> None:
-    """Serve Ember (WebSocket, iroh) and the raw baselines until stdin closes; print addresses."""
+    """Serve Ember (WebSocket, TCP, iroh) and the raw baselines until stdin closes; print addresses."""
     if core is not None:
         os.sched_setaffinity(0, {core})
     os.environ.setdefault("EMBER_OFFLINE", "1")
+    from ..transport.loop import install_uvloop
+    install_uvloop()
     from ..server import Server
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         srv = Server(["cpu"])
         srv.listen_websocket("127.0.0.1", 0)
+        srv.listen_tcp("127.0.0.1", 0)
         info: dict[str, Any] = {}
         iroh_lst = None
         if iroh_on:
@@ -39,8 +42,10 @@ def child_main(core: int | None, iroh_on: bool) -> None:
             iroh_lst = None
             srv = Server(["cpu"])
             srv.listen_websocket("127.0.0.1", 0)
+            srv.listen_tcp("127.0.0.1", 0)
             await srv.start()
-        info["websocket"] = srv.addresses[0]
+        info["websocket"] = next(a for a in srv.addresses if a.startswith("ws://"))
+        info["tcp_ember"] = next(a for a in srv.addresses if a.startswith("tcp://"))
         if iroh_lst is not None:
             info["iroh"] = iroh_lst.ticket
         tcp = await asyncio.start_server(_tcp_baseline, "127.0.0.1", 0)
@@ -162,6 +167,52 @@ def _rpyc_server() -> int | None:
                          protocol_config={"allow_all_attrs": True, "allow_pickle": True})
     threading.Thread(target=srv.start, daemon=True).start()
     return srv.port
+
+
+def memory_child(address: str, size: int) -> None:
+    """Upload ``size`` bytes to ``address`` and print the peak RSS growth over the array's size."""
+    import time
+    import numpy as np
+    import ember
+    import ember.array_api as xp
+    dev = ember.connect(address, timeout=30.0)
+    dev.sync()
+    base = _rss()
+    _reset_peak()
+    host = np.full(size, 7, dtype=np.uint8)  # touches every page
+    with_array = _rss()
+    t0 = time.perf_counter()
+    x = xp.asarray(host, device=dev)
+    dev.sync(timeout=600)
+    dt = time.perf_counter() - t0
+    peak = _peak()
+    print(json.dumps({"array": size, "base": base, "with_array": with_array, "peak": peak,
+                      "ratio": (peak - base) / size, "MBps": size / dt / 1e6}), flush=True)
+    del x
+    dev.close()
+
+
+def _reset_peak() -> None:
+    """Start the peak-RSS count afresh (Linux: VmHWM), so imports before do not count."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class ServerProcess:

@@ -1,4 +1,4 @@
-"""The one background I/O thread per process: an asyncio loop serving every session."""
+"""The one background I/O thread per process: an asyncio loop (uvloop when installed) serving every session."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Coroutine, TypeVar
 
 from ..errors import ConnectError
+from ..transport.loop import new_event_loop
 
 T = TypeVar("T")
 
@@ -24,7 +25,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
         return _loop
     with _lock:
         if _loop is None or _thread is None or not _thread.is_alive():
-            loop = asyncio.new_event_loop()
+            loop = new_event_loop()
             ready = threading.Event()
 
             def run() -> None:

@@ -1,0 +1,68 @@
+"""``ember bench --link-delay MS[,MS]``: the slow-link figure (see ``slow_link``), run by the suite."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .common import _entry
+from .slow_link import ember_workload, start_proxies, via_proxy
+
+#: workload -> steps multiplier for torch.rpc (one RTT per op: fewer steps, reported per step)
+WORKLOADS = ("lsq", "mlp")
+
+
+def _round_trip(dev: Any) -> float:
+    """The fastest of a few sync round trips (seconds)."""
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dev.sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def slow_link(suite: Any, info: dict[str, Any]) -> None:
+    """For each RTT: every workload over every transport through the proxy, and torch.rpc (modelled:
+    loopback calls + one RTT per synchronous call). Figures are seconds per step; ``link_ratio``
+    is torch.rpc's time over Ember's."""
+    import ember
+    cfg = suite.cfg
+    transports = [t for t in suite.addresses if t != "memory"]
+    rpc = suite.rpcs.get("rpc_uv") or suite.rpcs.get("rpc")
+    for rtt in cfg.link_delays:
+        suite.log(f"ember bench: slow link, {rtt:g} ms RTT")
+        proxies = start_proxies(suite.addresses, transports, rtt, suite.cores[1])
+        try:
+            devs = {t: ember.connect(via_proxy(suite.addresses[t], p.port), timeout=60.0)
+                    for t, p in proxies.items()}
+            try:
+                for t in list(devs):
+                    if _round_trip(devs[t]) < 0.8 * rtt / 1000.0:  # the link found a way around the proxy
+                        suite.log(f"ember bench: slow link over {t} bypasses the proxy; not measured")
+                        suite.results.setdefault("link_bypassed", {})[t] = _entry([rtt], "ms")
+                        devs.pop(t).close()
+                for kind in WORKLOADS:
+                    key = f"link_{kind}_{rtt:g}ms_s"
+                    checks = {}
+                    for t, d in devs.items():
+                        ember_workload(d, kind, 2)  # warm up (graphs, connections)
+                        runs = [ember_workload(d, kind, cfg.link_steps) for _ in range(max(1, cfg.repeat // 2))]
+                        checks[t] = runs[0]["check"]
+                        suite.put(key, t, _entry([r["s"] for r in runs], "s"))
+                    if rpc is not None:
+                        r = rpc.run("workload", kind=kind, steps=cfg.link_steps)
+                        modelled = r["s"] + r["calls"] * rtt / 1000.0
+                        suite.put(key, "rpc_model", _entry([modelled], "s"))
+                        suite.put(f"link_{kind}_calls", "rpc_model", _entry([r["calls"]], "calls"))
+                        for t in devs:
+                            if abs(checks[t] - r["check"]) > 1e-6 * max(1.0, abs(r["check"])):
+                                raise AssertionError(f"slow link {kind}: Ember over {t} and torch.rpc disagree")
+                            suite.put(f"link_{kind}_{rtt:g}ms_ratio", t,
+                                      _entry([modelled / suite.results[key][t]["median"]], "×"))
+            finally:
+                for d in devs.values():
+                    d.close()
+        finally:
+            for p in proxies.values():
+                p.close()

@@ -1,0 +1,39 @@
+"""The event loops Ember runs on: uvloop when it is installed (``pip install 'ember[fast]'``),
+else asyncio's own. ``EMBER_UVLOOP=0`` keeps asyncio's loop (benchmarks compare the two)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+
+def uvloop_module() -> Any:
+    """The ``uvloop`` module when installed and not disabled by ``EMBER_UVLOOP=0``, else None."""
+    if os.environ.get("EMBER_UVLOOP", "").strip() == "0":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop: uvloop's when available."""
+    uv = uvloop_module()
+    return uv.new_event_loop() if uv is not None else asyncio.new_event_loop()
+
+
+def install_uvloop() -> bool:
+    """Make ``asyncio.run`` use uvloop in this process (when available); True when it does."""
+    uv = uvloop_module()
+    if uv is None:
+        return False
+    asyncio.set_event_loop_policy(uv.EventLoopPolicy())
+    return True
+
+
+def loop_name(loop: asyncio.AbstractEventLoop | None = None) -> str:
+    loop = loop or asyncio.get_event_loop()
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
