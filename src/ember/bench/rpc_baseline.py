@@ -160,7 +160,7 @@ def _pipelined(n: int) -> dict[str, float]:
 
 def _workload(kind: str, steps: int, seed: int = 0) -> dict[str, float]:
     from .slow_link import rpc_workload
-    return rpc_workload(kind, steps, seed)
+    return rpc_workload(SERVER, kind, steps, seed)
 
 
 COMMANDS = {"bandwidth": _bandwidth, "latency": _latency, "pipelined": _pipelined, "workload": _workload}

@@ -313,12 +313,11 @@ def _drop(key: str) -> None:
     _VALUES.pop(key, None)
 
 
-def rpc_workload(kind: str, steps: int, seed: int = 0) -> dict[str, float]:
-    """The workload through torch.rpc, one call per op (runs in the rpc client process)."""
+def rpc_workload(server: str, kind: str, steps: int, seed: int = 0) -> dict[str, float]:
+    """The workload through torch.rpc to worker ``server``, one call per op (runs in the rpc client)."""
     from ..demo import least_squares
     from .figures import training_state, training_step
-    from .rpc_baseline import SERVER
-    ns = RpcNamespace(SERVER)
+    ns = RpcNamespace(server)
     t0 = time.perf_counter()
     if kind == "lsq":
         A, b = lsq_data(seed)
