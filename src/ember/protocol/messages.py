@@ -39,7 +39,7 @@ total]``). ``req == 0`` with ERROR is a session-level error (the session ends).
 hold; the server holds that REPLAY and everything after it until a GRAPH with
 that gid arrives (see ``ember.client.graph`` for the graph protocol).
 
-Data frames (feature ``"data"``). A frame whose first byte is ``DATA_MARK`` (0xC1, a byte
+Data frames (feature ``"data"``; docs/protocol.md, "Data frames"). A frame whose first byte is ``DATA_MARK`` (0xC1, a byte
 MessagePack never uses) is a *data frame*: ``0xC1, u32 big-endian n, n bytes of MessagePack
 head, payload``. The head is an ordinary message or response whose bytes field is nil; the
 payload, the rest of the frame, is that field's value, raw. Senders hand a view of the
