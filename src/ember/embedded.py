@@ -1,7 +1,7 @@
 """The embedded compute peer: an in-process ``Server`` reached over the in-memory link.
 
 ``ember.connect("local")`` (and the default device when none was chosen) is a NumPy peer
-running in this process: the same session pump, interpreter and protocol as a remote
+running in this process, ``"local:torch"`` a ``torch:cpu`` one (``ember.torch``'s default): the same session pump, interpreter and protocol as a remote
 peer, with the sockets replaced by ``transport.memory``. This module sits above both
 ``client`` and ``server`` (the client layer never imports the server); it registers
 the peer with the client's embedded-peer seam when ``ember`` is imported.
@@ -18,8 +18,8 @@ from .transport import SessionHandler
 if TYPE_CHECKING:
     from .server import Server
 
-#: Address -> the devices its embedded peer hosts.
-PEERS: dict[str, tuple[str, ...]] = {LOCAL: ("cpu",)}
+#: Address -> the devices its embedded peer hosts (``"local:torch"``: ``ember.torch``'s default).
+PEERS: dict[str, tuple[str, ...]] = {LOCAL: ("cpu",), "local:torch": ("torch:cpu",)}
 
 _servers: dict[str, "Server"] = {}
 _lock = threading.Lock()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..client.device import LOCAL
+from ..client.device import is_embedded
 from ..client.progress import choose
 from ..errors import TransferError
 from ..protocol import messages as m
@@ -43,7 +43,7 @@ def move(x: RemoteArray, device: Any, *, via_client: bool = False, downloads: in
     if dst is src:
         return x
     check_dtype(dst, x.dtype)
-    if via_client or LOCAL in (src.address, dst.address):
+    if via_client or is_embedded(src.address) or is_embedded(dst.address):
         from ._creation import upload
         return upload(x.to_numpy(progress=progress), dst, progress)
     out = _move(x, dst, downloads, ttl, timeout)

@@ -196,6 +196,17 @@ def set_default_device(dev: Device | None) -> None:
     _default = dev
 
 
+def is_embedded(address: str) -> bool:
+    """Is ``address`` an in-process peer (``"local"``, ``"local:torch"``)? Its data moves through the client."""
+    return address in _embedded
+
+
+def chosen_device() -> Device | None:
+    """The innermost ``with dev:`` device, else the one set by ``set_default_device``, else None."""
+    s = getattr(_tls, "stack", None)
+    return s[-1] if s else _default
+
+
 def default_device() -> Device:
     """The innermost ``with dev:`` device, else the one set by ``set_default_device``, else local."""
     global _default
@@ -209,4 +220,5 @@ def default_device() -> Device:
     return _default
 
 
-__all__ = ["Device", "connect", "devices", "set_default_device", "default_device", "register_embedded", "EmberError"]
+__all__ = ["Device", "connect", "devices", "set_default_device", "default_device", "register_embedded", "is_embedded",
+           "chosen_device", "EmberError"]

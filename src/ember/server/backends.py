@@ -21,6 +21,10 @@ ALL_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uin
 _EXTRAS = {"torch": "torch", "cupy": "cupy", "jax": "jax"}
 
 
+class UnknownOp(LookupError):
+    """A name that is neither a whitelisted function nor a registered custom op (``str()`` says why)."""
+
+
 class BackendUnavailable(EmberError):
     """A device spec names a backend whose package is not installed or has no such device."""
 

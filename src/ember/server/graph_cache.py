@@ -71,7 +71,7 @@ def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend:
             raise ProtocolError(f"malformed Graph op {str(op)[:80]}")
         for r in regs:
             _int(r, f"a register of op {name!r}", 0, reg)
-        _int(nouts, f"the output count of op {name!r}", 1, 1 << 16)
+        _int(nouts, f"the output count of op {name!r}", 0, 1 << 16)  # 0: an in-place op
         err: Exception | None = None
         kw = None
         if kwargs:

@@ -16,7 +16,7 @@ from ..errors import LimitExceeded, ProtocolError, RemoteExecutionError, to_wire
 from ..protocol import codec, ops
 from ..protocol import messages as m
 from .adapters import adapt
-from .backends import Backend
+from .backends import Backend, UnknownOp
 from .graph_cache import GraphCache, compile_graph
 
 #: ``respond(responses)`` sends one frame of responses; ``respond([[req, OK, [dtype, shape, 0, nil, total]]],
@@ -61,10 +61,6 @@ def build_table(backend: Backend) -> dict[str, Callable[..., Any]]:
 
 #: Chunked uploads one session may have half-sent at once (each holds a buffer of its full size).
 MAX_PARTIAL_UPLOADS = 64
-
-
-class UnknownOp(LookupError):
-    """A name that is neither a whitelisted function nor a registered custom op."""
 
 
 def store_results(store: Any, outs: list[int], res: Any, name: str) -> None:
@@ -121,6 +117,14 @@ INLINE_MAX_ELEMENTS = 4096
 INLINE_MAX_BYTES = 256 * 1024
 
 
+def _describe_layouts(kwargs: Any) -> str:
+    """An ATen call's operands as the client sees them (from its layouts), e.g. ``(4, 3) float32``."""
+    try:
+        return ", ".join(f"{tuple(lay[0])} {lay[3]}" for lay in kwargs["l"]) if "l" in kwargs else ""
+    except Exception:
+        return ""
+
+
 def _describe(vals: list[Any]) -> str:
     parts = []
     for v in vals:
@@ -136,6 +140,9 @@ class Interpreter:
                  custom_ops: dict[str, Callable[..., Any]], respond: Respond,
                  limits: dict[str, int]) -> None:
         self.backend = backend
+        if backend.kind == "torch":  # ATen ops of ember.torch: a per-session table (own random stream)
+            from .aten import AtenOps
+            table = AtenOps(table, backend.device, int(limits.get("max_tensor", 1 << 40)))
         self.table = table
         self.custom_ops = custom_ops
         self.respond = respond
@@ -283,9 +290,34 @@ class Interpreter:
             else:
                 store_results(t, outs, res, name)
         except Exception as e:
-            self._fail(name if isinstance(name, str) else repr(name), args, smask, outs, e)
+            if not isinstance(name, str):
+                name = repr(name)
+            self._fail(name, args, smask, list(outs) + self._written(name, args, kwargs), e, kwargs)
 
-    def _fail(self, name: str, args: Any, smask: int, outs: Any, e: Exception) -> None:
+    def _written(self, name: str, args: Any, kwargs: Any) -> list[Any]:
+        """Ids of the inputs an op writes in place (ATen in-place and out= ops): poisoned when it fails."""
+        w = getattr(self.table.get(name), "written", None)
+        if w is None:
+            return []
+        try:
+            return [args[p] for p in w(kwargs) if p < len(args)]
+        except Exception:
+            return []
+
+    def _why(self, name: str, e: Exception, missing: list[Any]) -> str:
+        """What to tell the client about a failed op (unknown names, missing inputs, the error)."""
+        if isinstance(e, UnknownOp):
+            return str(e)
+        if isinstance(e, KeyError) and self.table.get(name) is None and name not in self.custom_ops:
+            if name.startswith(("aten.", "torch.")) and self.backend.kind != "torch":
+                return (f"ATen op {name!r} needs a torch device, and device {self.backend.spec} is a "
+                        f"{self.backend.kind} device: serve with --device torch:cpu or --device torch:cuda:N")
+            return f"unknown op {name!r}: not an Array API function this peer offers nor a registered custom op"
+        if isinstance(e, KeyError) and missing:
+            return f"input tensor id(s) {missing} unknown to this session (dropped or never created)"
+        return f"{type(e).__name__}: {e}"
+
+    def _fail(self, name: str, args: Any, smask: int, outs: Any, e: Exception, kwargs: Any = None) -> None:
         """Poison ``outs`` with the error (or the upstream poison an input carries)."""
         try:
             ids = [a for i, a in enumerate(args) if not smask >> i & 1]
@@ -295,18 +327,10 @@ class Interpreter:
         if upstream is not None:
             poison = upstream
         else:
-            if isinstance(e, UnknownOp):
-                msg = str(e)
-            elif isinstance(e, KeyError) and name not in self.table and name not in self.custom_ops:
-                msg = f"unknown op {name!r}: not an Array API function this peer offers nor a registered custom op"
-            elif isinstance(e, KeyError) and any(i not in self.tensors for i in ids):
-                missing = [i for i in ids if i not in self.tensors]
-                msg = f"input tensor id(s) {missing} unknown to this session (dropped or never created)"
-            else:
-                msg = f"{type(e).__name__}: {e}"
-            vals = [self.tensors.get(i, "?") for i in ids]
+            msg = self._why(name, e, [i for i in ids if i not in self.tensors])
+            desc = _describe_layouts(kwargs) or _describe([self.tensors.get(i, "?") for i in ids])
             poison = Poison({"kind": "RemoteExecutionError", "op": name,
-                             "message": f"op {name}({_describe(vals)}) failed on {self.backend.spec}: {msg}"})
+                             "message": f"op {name}({desc}) failed on {self.backend.spec}: {msg}"})
         try:
             for o in outs:
                 self.tensors.pop(o, None)
@@ -339,6 +363,7 @@ class Interpreter:
                                 f"the graph has {n_in} and {len(g.kept)}")
         t, poison = self.tensors, self.poison
         R: list[Any] = [None] * g.n_reg
+        spoiled: dict[Any, Poison] = {}
         bad = False
         for k, i in enumerate(ins):
             v = t.get(i)
@@ -372,10 +397,17 @@ class Interpreter:
                 else:
                     store_results(R, oregs, res, name)
             except Exception as e:
-                p = self._replay_poison(name, [R[r] for r in tregs], e)
+                p = self._replay_poison(name, [R[r] for r in tregs], e, kw)
                 for o in oregs:
                     R[o] = p
+                for r in self._written_regs(fn, regs, kw):  # in-place ops poison what they write
+                    R[r] = p
+                    if r < n_in:
+                        spoiled[ins[r]] = p
                 bad = True
+        for i, p in spoiled.items():
+            t.pop(i, None)
+            poison[i] = p
         for reg, oid in zip(g.kept, outs):
             v = R[reg]
             if type(v) is Poison:
@@ -388,21 +420,23 @@ class Interpreter:
             if t.pop(i, None) is None:
                 poison.pop(i, None)
 
-    def _replay_poison(self, name: str, vals: list[Any], e: Exception) -> Poison:
+    @staticmethod
+    def _written_regs(fn: Any, regs: tuple[int, ...], kw: Any) -> list[int]:
+        w = getattr(fn, "written", None)
+        if w is None:
+            return []
+        try:
+            return [regs[p] for p in w(kw or {}) if p < len(regs)]
+        except Exception:
+            return []
+
+    def _replay_poison(self, name: str, vals: list[Any], e: Exception, kw: Any = None) -> Poison:
         """What ``_fail`` would have made of this op sent alone (same message, same upstream poison)."""
         upstream = next((v for v in vals if type(v) is Poison), None)
         if upstream is not None:
             return upstream
-        missing = [v.tid for v in vals if type(v) is _Missing]
-        if isinstance(e, UnknownOp):
-            msg = str(e)
-        elif isinstance(e, KeyError) and name not in self.table and name not in self.custom_ops:
-            msg = f"unknown op {name!r}: not an Array API function this peer offers nor a registered custom op"
-        elif isinstance(e, KeyError) and missing:
-            msg = f"input tensor id(s) {missing} unknown to this session (dropped or never created)"
-        else:
-            msg = f"{type(e).__name__}: {e}"
-        desc = _describe(["?" if type(v) is _Missing else v for v in vals])
+        msg = self._why(name, e, [v.tid for v in vals if type(v) is _Missing])
+        desc = _describe_layouts(kw) or _describe(["?" if type(v) is _Missing else v for v in vals])
         return Poison({"kind": "RemoteExecutionError", "op": name,
                        "message": f"op {name}({desc}) failed on {self.backend.spec}: {msg}"})
 

@@ -1,0 +1,115 @@
+"""The ATen op stream of ``ember.torch``, sans-I/O: how one ATen call travels in an ``OP`` message.
+
+The PyTorch frontend records every ATen call below autograd as an ordinary ``OP``
+message, so batching, poisoning, drops, heartbeats and graph caching carry it
+unchanged. The remote object is a *storage* (a flat byte buffer), never a tensor:
+a tensor operand is a storage id plus a *layout* ``[size, stride, offset, dtype]``
+(offset and strides in elements of ``dtype``). Views therefore cost no message.
+
+``[OP, name, args, smask, outs, kwargs]`` for an ATen call:
+
+* ``name``: ``"aten.<op>.<overload>"`` (``default`` for the default overload), or an
+  internal name of :data:`INTERNAL`.
+* ``args``: the storage id of each tensor operand in schema order, then the value of
+  each *scalar slot* (``smask`` has their bits set). Scalars that change from call to
+  call (a learning rate, Adam's bias corrections) are thus graph scalars, not structure.
+* ``outs``: a fresh storage id for each output the client classified *fresh*.
+* ``kwargs``: ``{"a": template, "l": layouts, "o": out_specs}``:
+
+  - ``a``: one entry per schema argument, in schema order (keyword-only ones too),
+    read with the argument's :func:`category`: ``TENSOR``: ``0`` the next tensor
+    operand, ``1`` the next scalar (a Python number in a Tensor slot), ``None``;
+    ``TENSOR_LIST`` / ``OPT_TENSOR_LIST``: a list of such entries; ``SCALAR``: ``1`` the
+    next scalar, or ``None``; ``SCALAR_LIST``: the number of scalars it takes, or
+    ``None``; ``LITERAL``: the value (ints, bools and lists of them); ``STRING``: a str;
+    ``DTYPE`` / ``MEMORY_FORMAT`` / ``LAYOUT``: a name of :data:`DTYPES` /
+    :data:`MEMORY_FORMATS` / ``"strided"``; ``DEVICE``: ``None`` or ``1`` (the peer's own
+    device); ``GENERATOR``: ``None`` (the peer uses the session's generator).
+  - ``l``: the layout of each tensor operand, in the order of ``args``.
+  - ``o``: ``[position, size, stride, offset, dtype, nbytes]`` per fresh output
+    (``position`` in the op's flattened returns); the peer stores the result in that
+    layout in a storage of ``nbytes`` bytes. ``None``: the client could not infer the
+    outputs (data-dependent shapes): the peer stores each output as a contiguous
+    *value* under its id and the client asks its shape (``SHAPE``), then turns it into
+    a storage with ``torch.storage_of``.
+
+A complex scalar travels as ``[real, imag]``. Non-tensor results (``aten.equal``,
+``aten._local_scalar_dense``...) are stored as 0-d values and read back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+(TENSOR, TENSOR_LIST, SCALAR, SCALAR_LIST, LITERAL, STRING, DTYPE, MEMORY_FORMAT, LAYOUT, DEVICE,
+ GENERATOR) = range(11)
+
+#: Schema argument type (``str(argument.real_type)``) -> category. Anything else: the op is refused.
+CATEGORY: dict[str, int] = {
+    "Tensor": TENSOR, "Optional[Tensor]": TENSOR,
+    "List[Tensor]": TENSOR_LIST, "List[Optional[Tensor]]": TENSOR_LIST,
+    "number": SCALAR, "float": SCALAR, "Optional[number]": SCALAR, "Optional[float]": SCALAR,
+    "complex": SCALAR, "Optional[complex]": SCALAR,
+    "List[number]": SCALAR_LIST, "List[float]": SCALAR_LIST, "Optional[List[float]]": SCALAR_LIST,
+    "int": LITERAL, "Optional[int]": LITERAL, "List[int]": LITERAL, "Optional[List[int]]": LITERAL,
+    "bool": LITERAL, "Optional[bool]": LITERAL, "List[bool]": LITERAL,
+    "str": STRING, "Optional[str]": STRING,
+    "ScalarType": DTYPE, "Optional[ScalarType]": DTYPE,
+    "MemoryFormat": MEMORY_FORMAT, "Optional[MemoryFormat]": MEMORY_FORMAT,
+    "Layout": LAYOUT, "Optional[Layout]": LAYOUT,
+    "Device": DEVICE, "Optional[Device]": DEVICE,
+    "Optional[Generator]": GENERATOR,
+}
+
+#: Return types an op may have (tensors, or values read back).
+RETURNS = frozenset({"Tensor", "List[Tensor]", "int", "bool", "float", "number"})
+
+DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16",
+          "bfloat16", "float32", "float64", "complex32", "complex64", "complex128")
+MEMORY_FORMATS = ("contiguous_format", "preserve_format", "channels_last", "channels_last_3d")
+
+INTERNAL = frozenset({"torch.alloc", "torch.seed", "torch.storage_of", "torch.array_of"})
+"""Ember's own torch ops: ``alloc`` (a zeroed storage of ``kwargs["n"]`` bytes), ``seed``
+(reseed the session's generator), ``storage_of`` (a storage holding a value's bytes, C order),
+``array_of`` (a contiguous value, for ``ember.array_api``, from an operand's layout)."""
+
+MAX_DIMS = 64
+MAX_LIST = 1 << 16
+INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def category(real_type: str) -> int | None:
+    """The category of a schema argument type, or None when ops taking it are refused."""
+    return CATEGORY.get(real_type)
+
+
+def layout_extent(layout: Any, itemsizes: dict[str, int]) -> int:
+    """Bytes a layout ``[size, stride, offset, dtype]`` reaches into its storage (0 if empty).
+
+    Raises ``ValueError`` naming what is malformed: a client's layout is checked against its
+    storage with this before the peer touches memory through it.
+    """
+    if not isinstance(layout, list) or len(layout) != 4:
+        raise ValueError(f"a layout is [size, stride, offset, dtype], got {str(layout)[:80]}")
+    size, stride, offset, dtype = layout
+    if dtype not in itemsizes:
+        raise ValueError(f"unknown dtype {str(dtype)[:40]!r} in a layout")
+    if not isinstance(size, list) or not isinstance(stride, list) or len(size) != len(stride) \
+            or len(size) > MAX_DIMS:
+        raise ValueError("a layout's size and stride must be lists of equal length (at most "
+                         f"{MAX_DIMS} dims)")
+    if type(offset) is not int or not 0 <= offset <= INT64[1]:
+        raise ValueError(f"a layout's offset must be a non-negative int, got {offset!r}")
+    last = offset
+    for n, s in zip(size, stride):
+        if type(n) is not int or type(s) is not int or n < 0 or s < 0 or n > INT64[1] or s > INT64[1]:
+            raise ValueError(f"a layout's sizes and strides must be non-negative ints, got {size} / {stride}")
+        if n == 0:
+            return 0
+        last += (n - 1) * s
+    return (last + 1) * itemsizes[dtype]
+
+
+__all__ = ["CATEGORY", "RETURNS", "DTYPES", "MEMORY_FORMATS", "INTERNAL", "category", "layout_extent",
+           "TENSOR", "TENSOR_LIST", "SCALAR", "SCALAR_LIST", "LITERAL", "STRING", "DTYPE", "MEMORY_FORMAT",
+           "LAYOUT", "DEVICE", "GENERATOR"]

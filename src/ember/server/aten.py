@@ -1,0 +1,371 @@
+"""ATen ops on torch devices: the vetted whitelist and one kernel per overload.
+
+The PyTorch frontend sends ATen calls as ``OP`` messages (the wire format is in
+:mod:`ember.protocol.aten`). On the peer a session's *storages* are flat ``uint8``
+torch tensors in the interpreter's ordinary id -> value store; a kernel rebuilds each
+operand as a typed view ``(storage, size, stride, offset, dtype)`` after checking
+that the layout stays inside its storage, runs the overload, and stores each fresh
+result in the layout the client inferred (adopting the result's memory when its
+layout already matches, copying otherwise). Written operands are updated in place.
+
+Only *vetted* overloads run (:func:`refusal`): every argument must be of a kind
+in :data:`ember.protocol.aten.CATEGORY` (tensors, scalars, ints, bools, dtypes...),
+so nothing taking a storage, a stream or a file can be named, and a deny list
+removes what reads files, maps or leaves memory uninitialised, skips bounds checks,
+or is about pinned memory, sparse, quantized or nested tensors. Random ops draw from
+the session's own generator (``torch.seed`` reseeds it), never from another
+session's stream.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ..protocol import aten as A
+from .backends import UnknownOp
+
+DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in A.DTYPES if isinstance(getattr(torch, n, None),
+                                                                                      torch.dtype)}
+ITEMSIZE = {n: d.itemsize for n, d in DTYPES.items()}
+MEMORY_FORMATS = {n: getattr(torch, n) for n in A.MEMORY_FORMATS}
+
+_DENY = re.compile(r"from_file|unsafe|as_strided|^set_|pin_memory|is_pinned|record_stream|^empty|^new_empty|"
+                   r"^_empty|_nested|sparse|mkldnn|quantiz|^q_|^_cufft|^_copy_from|^_to_cpu|^_print|^_debug|"
+                   r"^_assert|^sym_|_efficientzerotensor|^_cudnn_init|^_fill_mem_eff|^lift|^_index_put_impl")
+"""Overloads never run, whatever their arguments (see the module docstring)."""
+
+_RESIZE = frozenset({"resize_", "resize_as_"})
+_rng_locks: dict[str, threading.Lock] = {}
+
+
+def refusal(name: str) -> str | None:
+    """Why ``name`` may not run on a peer, or None for a vetted overload."""
+    parts = name.split(".")
+    if len(parts) != 3 or parts[0] != "aten" or not parts[1] or not parts[2]:
+        return f"{name[:80]!r} is not an ATen overload name (aten.<op>.<overload>)"
+    op = _overload(parts[1], parts[2])
+    if op is None:
+        return f"there is no ATen overload {name[:80]!r} in torch {torch.__version__}"
+    if _DENY.search(parts[1]):
+        return f"ATen op {name} is refused on Ember peers (files, raw memory or unchecked access)"
+    for a in op._schema.arguments:
+        if A.category(str(a.real_type)) is None:
+            return f"ATen op {name} takes a {a.real_type} ({a.name}), which Ember peers do not accept"
+    for r in op._schema.returns:
+        if str(r.real_type) not in A.RETURNS:
+            return f"ATen op {name} returns a {r.real_type}, which Ember peers do not send back"
+    return None
+
+
+def _overload(op: str, overload: str) -> Any:
+    try:
+        return getattr(getattr(torch.ops.aten, op), overload)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _literal_ok(t: str, v: Any) -> bool:
+    if v is None:
+        return t.startswith("Optional")
+    if t.endswith("bool]") or t == "bool":
+        return type(v) is bool or (type(v) is list and len(v) <= A.MAX_LIST and all(type(b) is bool for b in v))
+    if type(v) is int:  # an int also fills an int[1]
+        return A.INT64[0] <= v <= A.INT64[1]
+    return type(v) is list and "List" in t and len(v) <= A.MAX_LIST and all(
+        type(i) is int and A.INT64[0] <= i <= A.INT64[1] for i in v)
+
+
+def _scalar(v: Any) -> Any:
+    t = type(v)
+    if t is int or t is float or t is bool:
+        return v
+    if t is list and len(v) == 2 and all(type(x) in (int, float) for x in v):
+        return complex(v[0], v[1])
+    raise ValueError(f"a scalar argument must be a number, got {str(v)[:40]}")
+
+
+def storage_bytes(buf: Any) -> Any:
+    """The untyped storage behind a storage value; ValueError if ``buf`` is not a storage."""
+    if not isinstance(buf, torch.Tensor) or buf.dtype is not torch.uint8 or buf.dim() != 1 \
+            or buf.storage_offset() != 0:
+        raise ValueError("an ATen operand must name a storage (this id holds an array)")
+    return buf.untyped_storage()
+
+
+def operand(buf: Any, layout: Any, device: Any) -> torch.Tensor:
+    """The typed view ``layout`` of storage ``buf``, after checking it stays inside the storage."""
+    st = storage_bytes(buf)
+    need = A.layout_extent(layout, ITEMSIZE)
+    if need > st.nbytes():
+        raise ValueError(f"layout {layout[0]}/{layout[1]}+{layout[2]} {layout[3]} reaches byte {need} of a "
+                         f"storage of {st.nbytes()} bytes")
+    return torch.empty((0,), dtype=DTYPES[layout[3]], device=device).set_(st, layout[2], layout[0], layout[1])
+
+
+def as_storage(t: torch.Tensor) -> torch.Tensor:
+    """A storage value sharing ``t``'s memory (all of its storage)."""
+    return torch.empty((0,), dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+class SessionRandom:
+    """A session's random stream on one device (reseeded by ``torch.seed``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.lock = _rng_locks.setdefault(str(device), threading.Lock())
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """Run an op that draws from the device's default generator, on this session's stream."""
+        d = torch.default_generator if self.device.type == "cpu" else \
+            torch.cuda.default_generators[self.device.index or 0]
+        with self.lock:
+            saved = d.get_state()
+            d.set_state(self.generator.get_state())
+            try:
+                return fn()
+            finally:
+                self.generator.set_state(d.get_state())
+                d.set_state(saved)
+
+
+class AtenKernel:
+    """One vetted overload: binds a message's template to the schema, runs it, stores the results."""
+
+    def __init__(self, name: str, op: Any, device: torch.device, rng: SessionRandom) -> None:
+        self.name, self.op, self.device, self.rng = name, op, device, rng
+        args = op._schema.arguments
+        self.args = [(a.name, A.category(str(a.real_type)), str(a.real_type), a.kwarg_only) for a in args]
+        self.writes = [bool(a.alias_info is not None and a.alias_info.is_write) for a in args]
+        self.seeded = torch.Tag.nondeterministic_seeded in op.tags and not any(c == A.GENERATOR
+                                                                                for _, c, _, _ in self.args)
+        self.resize = name.split(".")[1] in _RESIZE
+
+    def written(self, kwargs: Any) -> list[int]:
+        """Positions (among the message's args) of the tensor operands this call writes."""
+        tmpl = kwargs.get("a") if isinstance(kwargs, dict) else None
+        out: list[int] = []
+        k = 0
+        for (_, cat, _, _), w, entry in zip(self.args, self.writes, tmpl or ()):
+            items = entry if cat == A.TENSOR_LIST and isinstance(entry, list) else [entry] if cat == A.TENSOR else []
+            for e in items:
+                if e == 0 and type(e) is int:
+                    if w:
+                        out.append(k)
+                    k += 1
+        return out
+
+    def __call__(self, *vals: Any, a: Any, l: Any, o: Any) -> Any:  # noqa: E741
+        if not isinstance(l, list) or not isinstance(a, list) or len(a) != len(self.args) or len(l) > len(vals):
+            raise ValueError(f"malformed ATen call of {self.name}: the template does not match its schema")
+        dev = self.device
+        tensors = [operand(vals[i], l[i], dev) for i in range(len(l))]
+        args, kwargs, before = self._bind(a, tensors, vals[len(l):])
+        if self.seeded:
+            res = self.rng.run(lambda: self.op(*args, **kwargs))
+        else:
+            res = self.op(*args, **kwargs)
+        for t, nbytes in before:
+            self._zero_growth(t, nbytes)
+        return self._results(res, o, tensors)
+
+    def _bind(self, tmpl: list[Any], tensors: list[torch.Tensor], scalars: tuple[Any, ...]) -> Any:
+        args: list[Any] = []
+        kwargs: dict[str, Any] = {}
+        ti = si = 0
+        before: list[tuple[torch.Tensor, int]] = []
+        for (name, cat, rtype, kwonly), w, e in zip(self.args, self.writes, tmpl):
+            if cat == A.TENSOR or cat == A.TENSOR_LIST:
+                items = e if cat == A.TENSOR_LIST else [e]
+                if cat == A.TENSOR_LIST and (type(e) is not list or len(e) > A.MAX_LIST):
+                    raise ValueError(f"argument {name} of {self.name} must be a list of tensors")
+                vals = []
+                for x in items:
+                    if x is None:
+                        if cat == A.TENSOR and not rtype.startswith("Optional") or \
+                                cat == A.TENSOR_LIST and "Optional" not in rtype:
+                            raise ValueError(f"argument {name} of {self.name} may not be None")
+                        vals.append(None)
+                    elif x == 0 and type(x) is int:
+                        t = tensors[ti]
+                        ti += 1
+                        if w:
+                            before.append((t, t.untyped_storage().nbytes()))
+                        vals.append(t)
+                    elif x == 1 and type(x) is int:
+                        vals.append(_scalar(scalars[si]))
+                        si += 1
+                    else:
+                        raise ValueError(f"argument {name} of {self.name}: bad tensor entry {str(x)[:40]}")
+                v: Any = vals if cat == A.TENSOR_LIST else vals[0]
+            elif cat == A.SCALAR:
+                if e is None:
+                    v = None
+                elif e == 1 and type(e) is int:
+                    v = _scalar(scalars[si])
+                    si += 1
+                else:
+                    raise ValueError(f"argument {name} of {self.name}: bad scalar entry {str(e)[:40]}")
+            elif cat == A.SCALAR_LIST:
+                if e is None:
+                    v = None
+                elif type(e) is int and 0 <= e <= len(scalars) - si:
+                    v = [_scalar(s) for s in scalars[si:si + e]]
+                    si += e
+                else:
+                    raise ValueError(f"argument {name} of {self.name}: bad scalar-list entry {str(e)[:40]}")
+            elif cat == A.LITERAL:
+                if not _literal_ok(rtype, e):
+                    raise ValueError(f"argument {name} of {self.name} must be {rtype}, got {str(e)[:60]}")
+                if name == "unsafe" and e:
+                    raise ValueError(f"{self.name} with unsafe=True is refused on Ember peers")
+                v = e
+            elif cat == A.STRING:
+                if not (e is None and rtype.startswith("Optional") or type(e) is str and len(e) <= 256):
+                    raise ValueError(f"argument {name} of {self.name} must be {rtype}")
+                v = e
+            elif cat == A.DTYPE:
+                v = None if e is None and rtype.startswith("Optional") else DTYPES.get(e) if type(e) is str else 0
+                if v == 0 or (v is None and e is not None):
+                    raise ValueError(f"argument {name} of {self.name}: unknown dtype {str(e)[:40]}")
+            elif cat == A.MEMORY_FORMAT:
+                v = None if e is None and rtype.startswith("Optional") else MEMORY_FORMATS.get(e) if type(e) is str else 0
+                if v == 0 or (v is None and e is not None):
+                    raise ValueError(f"argument {name} of {self.name}: unknown memory format {str(e)[:40]}")
+            elif cat == A.LAYOUT:
+                if e not in (None, "strided"):
+                    raise ValueError(f"argument {name} of {self.name}: only the strided layout is served")
+                v = None if e is None else torch.strided
+            elif cat == A.DEVICE:
+                if e not in (None, 1):
+                    raise ValueError(f"argument {name} of {self.name}: a device is None or 1 (this peer's)")
+                v = None if e is None else self.device
+            else:  # GENERATOR
+                if e is not None:
+                    raise ValueError(f"argument {name} of {self.name}: generators cannot be sent")
+                v = self.rng.generator
+            if kwonly:
+                kwargs[name] = v
+            else:
+                args.append(v)
+        if ti != len(tensors) or si != len(scalars):
+            raise ValueError(f"malformed ATen call of {self.name}: {len(tensors)} tensors and {len(scalars)} "
+                             f"scalars sent, the template uses {ti} and {si}")
+        if "pin_memory" in kwargs:
+            kwargs["pin_memory"] = None
+        return args, kwargs, before
+
+    def _zero_growth(self, t: torch.Tensor, nbytes: int) -> None:
+        """A written storage grew (resize_, out=): never let the client see uninitialised memory."""
+        st = t.untyped_storage()
+        new = st.nbytes()
+        if new <= nbytes:
+            return
+        start = nbytes if self.resize else max(nbytes, (t.storage_offset() + t.numel()) * t.element_size()
+                                               if t.is_contiguous() else nbytes)
+        if start < new:
+            torch.empty((0,), dtype=torch.uint8, device=t.device).set_(st, start, (new - start,), (1,)).zero_()
+
+    def _results(self, res: Any, specs: Any, operands: list[torch.Tensor]) -> Any:
+        flat = list(res) if isinstance(res, (tuple, list)) else [res]
+        if specs is None:  # data-dependent outputs: contiguous values, the client asks their shapes
+            out = tuple(r.contiguous() if isinstance(r, torch.Tensor) else torch.tensor(r, device=self.device)
+                        for r in flat)
+            return out[0] if len(out) == 1 else out
+        if not isinstance(specs, list):
+            raise ValueError(f"malformed ATen call of {self.name}: output specs")
+        stored = []
+        for spec in specs:
+            if not isinstance(spec, list) or len(spec) != 6 or type(spec[0]) is not int \
+                    or not 0 <= spec[0] < len(flat):
+                raise ValueError(f"malformed output spec of {self.name}: {str(spec)[:80]}")
+            stored.append(self._store(flat[spec[0]], spec, operands))
+        return stored[0] if len(stored) == 1 else tuple(stored)
+
+    def _store(self, r: Any, spec: list[Any], operands: list[torch.Tensor]) -> torch.Tensor:
+        _, size, stride, offset, dtype, nbytes = spec
+        layout = [size, stride, offset, dtype]
+        need = A.layout_extent(layout, ITEMSIZE)
+        if type(nbytes) is not int or not need <= nbytes <= A.INT64[1]:
+            raise ValueError(f"output spec of {self.name}: {nbytes!r} bytes cannot hold layout {layout}")
+        if not isinstance(r, torch.Tensor):
+            r = torch.tensor(r, device=self.device)
+        if list(r.shape) != size or r.dtype is not DTYPES[dtype]:
+            raise RuntimeError(f"{self.name} returned {tuple(r.shape)} {r.dtype} on the peer where the client "
+                               f"inferred {tuple(size)} {dtype}")
+        st = r.untyped_storage()
+        if list(r.stride()) == stride and r.storage_offset() == offset and st.nbytes() >= nbytes \
+                and not any(o.untyped_storage().data_ptr() == st.data_ptr() for o in operands):
+            return as_storage(r)
+        buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        operand(buf, layout, self.device).copy_(r)
+        return buf
+
+
+def internal_ops(device: torch.device, rng: SessionRandom, max_tensor: int) -> dict[str, Callable[..., Any]]:
+    """Ember's own torch ops (:data:`ember.protocol.aten.INTERNAL`)."""
+
+    def alloc(*, n: Any) -> torch.Tensor:
+        if type(n) is not int or not 0 <= n <= max_tensor:
+            raise ValueError(f"a storage of {n!r} bytes is outside this peer's limit of {max_tensor} bytes")
+        return torch.zeros(n, dtype=torch.uint8, device=device)
+
+    def seed(value: Any) -> tuple[()]:
+        if type(value) is not int or not 0 <= value < 1 << 64:
+            raise ValueError(f"a seed is an int in [0, 2**64), got {value!r}")
+        rng.generator.manual_seed(value)
+        return ()
+
+    def storage_of(x: Any) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError("storage_of needs an array value")
+        x = x.detach().resolve_conj().resolve_neg()
+        if not x.is_contiguous() or x.storage_offset() or x.untyped_storage().nbytes() != x.numel() * x.element_size():
+            x = x.clone(memory_format=torch.contiguous_format)
+        return as_storage(x)
+
+    def array_of(buf: Any, *, l: Any) -> torch.Tensor:  # noqa: E741
+        if not isinstance(l, list) or len(l) != 1:
+            raise ValueError("array_of takes one layout")
+        return operand(buf, l[0], device).clone(memory_format=torch.contiguous_format)
+
+    return {"torch.alloc": alloc, "torch.seed": seed, "torch.storage_of": storage_of, "torch.array_of": array_of}
+
+
+class AtenOps(dict):  # type: ignore[type-arg]
+    """A session's op table on a torch device: the device's Array API table, Ember's own torch ops,
+    and on first use one kernel per vetted ATen overload (a refused name gets a kernel that says why)."""
+
+    def __init__(self, base: dict[str, Callable[..., Any]], device: torch.device, max_tensor: int) -> None:
+        super().__init__(base)
+        self.device = device
+        self.rng = SessionRandom(device)
+        self.update(internal_ops(device, self.rng, max_tensor))
+
+    def __missing__(self, name: Any) -> Callable[..., Any]:
+        if not isinstance(name, str) or not name.startswith("aten."):
+            raise KeyError(name)
+        why = refusal(name)
+        if why is not None:
+            def refused(*a: Any, **k: Any) -> Any:
+                raise UnknownOp(why)
+            fn: Callable[..., Any] = refused
+        else:
+            p = name.split(".")
+            fn = AtenKernel(name, _overload(p[1], p[2]), self.device, self.rng)
+        if len(self) < 1 << 14:
+            self[name] = fn
+        return fn
+
+    def get(self, name: Any, default: Any = None) -> Any:  # type: ignore[override]
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+
+__all__ = ["AtenOps", "AtenKernel", "refusal", "operand", "as_storage", "storage_bytes"]

@@ -1,0 +1,34 @@
+"""Unchanged PyTorch code on Ember devices: ``import ember.torch`` registers the ``"ember"`` device.
+
+>>> import torch, ember, ember.torch                                  # doctest: +SKIP
+>>> ember.set_default_device(ember.connect("ws://gpu-box:7000"))        # a peer with --device torch:cpu
+>>> model = torch.nn.Linear(4, 2).to("ember")                          # real nn.Parameters on ember:0
+>>> loss = model(torch.randn(8, 4).to("ember")).square().mean()
+>>> loss.backward(); loss.item()                                      # one round trip
+
+Every ATen op (forward and backward: autograd stays here) is recorded lazily and sent in
+the session's batches; shapes, strides and dtypes come from torch's meta kernels, cached
+per op and layout, so a training step costs no round trip. The peer holds *storages*;
+views and in-place ops alias exactly as in torch. ``"ember"`` tensors live on the
+current Ember device: the innermost ``with dev:`` or ``ember.set_default_device(dev)``,
+else an embedded in-process ``torch:cpu`` peer. torch sees one device, ``ember:0``; which
+Ember device a tensor lives on travels with its storage (:func:`device_of`), and
+:func:`to_device` moves tensors between Ember devices.
+
+Round trips happen only where torch needs a value: ``.item()``, ``bool(t)``, ``.cpu()``,
+``print(t)``, ``.tolist()``, ``torch.save``, data-dependent shapes (``nonzero``, boolean
+masks). Not supported: ``generator=`` arguments (seed with ``torch.manual_seed``, which
+reseeds the peers too), sparse/quantized/nested tensors, ``ember:1`` (one torch device).
+"""
+
+from __future__ import annotations
+
+from ._device import UnsupportedTorch, register
+
+register()
+
+from ._dispatch import NotATorchDevice, WrongDevice, counters, current_device  # noqa: E402
+from ._transfer import device_of, from_array, to_array, to_device  # noqa: E402
+
+__all__ = ["to_device", "device_of", "from_array", "to_array", "current_device", "counters", "NotATorchDevice",
+           "WrongDevice", "UnsupportedTorch", "register"]

@@ -1,0 +1,153 @@
+"""Registering the ``ember`` device with torch: a pure-Python PrivateUse1 backend.
+
+``register()`` renames torch's PrivateUse1 slot to ``ember`` and installs, through
+``torch.utils.backend_registration._setup_privateuseone_for_python_backend``, a device
+module (``torch.ember``), hooks and a device guard; then one Python fallback kernel for
+every ATen op on the PrivateUse1 key, plus the same kernel claimed explicitly for the
+overloads that would otherwise reach the device decomposed (``CompositeExplicitAutograd-
+NonFunctional`` kernels turn ``a + b`` into ``empty`` + ``add.out``; ``_foreach_*`` ops
+would arrive one tensor at a time). No C++ is compiled.
+
+The API is experimental in torch (``torch._C._acc``); it is feature-checked here and an
+unsupported torch fails at import with the versions that work.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import torch
+
+from ..errors import EmberError
+from . import _dispatch as D
+
+TESTED = "2.13"
+_registered = False
+_lock = threading.Lock()
+_libs: list[Any] = []  # torch.library registrations live as long as these objects
+
+
+class UnsupportedTorch(EmberError, ImportError):
+    """This torch lacks the pure-Python device API ember.torch is built on."""
+
+
+def _check_torch() -> None:
+    acc = getattr(torch._C, "_acc", None)
+    need = ("create_empty_tensor", "register_python_privateuseone_hook", "register_python_privateuseone_device_guard")
+    from torch.utils import backend_registration as br
+    if acc is None or not all(hasattr(acc, n) for n in need) or \
+            not hasattr(br, "_setup_privateuseone_for_python_backend"):
+        raise UnsupportedTorch(
+            f"ember.torch needs torch's Python device API (torch._C._acc), which torch {torch.__version__} "
+            f"lacks; it is tested with torch {TESTED}",
+            hint=f"pip install 'ember[torch]' (torch {TESTED})")
+
+
+class EmberModule:
+    """``torch.ember``: what torch asks of a device's module."""
+
+    @staticmethod
+    def is_available() -> bool:
+        # False keeps DataLoader(pin_memory=True) working: it skips pinning, as on a CPU-only torch
+        return False
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        D.manual_seed_all(seed)
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        D.manual_seed_all(seed)
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        """Wait until every op recorded on the current Ember device has run."""
+        D.current_device().sync()
+
+    @staticmethod
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc,name-defined]
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, dev_id: int) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):  # type: ignore[misc,name-defined]
+    def type_(self) -> Any:
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+def _claimed_overloads() -> list[str]:
+    """Overloads that reach a backend decomposed unless it claims them (see the module docstring)."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    out = []
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("aten::"):
+            continue
+        if has(name, "CompositeExplicitAutogradNonFunctional") or \
+                name.startswith("aten::_foreach_") and has(name, "CompositeExplicitAutograd"):
+            out.append(name)
+    return out
+
+
+def _overload(qualname: str) -> Any:
+    op, _, ov = qualname[len("aten::"):].partition(".")
+    return getattr(getattr(torch.ops.aten, op), ov or "default")
+
+
+def register() -> None:
+    """Make ``"ember"`` a torch device (idempotent)."""
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        _check_torch()
+        current = torch._C._get_privateuse1_backend_name()
+        if current not in ("privateuseone", "ember"):
+            raise EmberError(f"torch's PrivateUse1 device slot is already taken by {current!r}",
+                             hint="ember.torch and another out-of-tree device cannot share one process")
+        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+        _setup_privateuseone_for_python_backend("ember", backend_module=EmberModule(), hook=_Hooks(),
+                                                device_guard=_Guard())
+        fallback = torch.library.Library("_", "IMPL")
+        fallback.fallback(D.kernel, "PrivateUse1")
+        claims = torch.library.Library("aten", "IMPL")
+        for name in _claimed_overloads():
+            try:
+                op = _overload(name)
+            except AttributeError:
+                continue
+            claims.impl(name[len("aten::"):], functools.partial(D.kernel, op), "PrivateUse1")
+        _libs.extend([fallback, claims])
+        from . import _patches
+        _patches.install()
+        _registered = True
+
+
+__all__ = ["register", "UnsupportedTorch", "EmberModule"]

@@ -1,0 +1,302 @@
+"""The one kernel every ATen call on an ember tensor reaches: record it, return its outputs.
+
+``kernel(op, *args, **kwargs)`` runs below autograd (the forward and the backward
+pass both arrive here). It walks the schema once, collecting the operands' storages
+and layouts, the scalar values and the literal arguments; looks up the cached
+:class:`~ember.torch._meta.Plan` for that key (running the meta kernel on a miss);
+records one ``OP`` message on the operands' session (views and metadata-only ops send
+nothing); and returns real ember tensors with the inferred layouts. Nothing waits for
+the peer unless torch needs a value (see ``_transfer``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ..client.device import Device
+from ..errors import EmberError
+from ..protocol import aten as A
+from ..protocol import messages as m
+from . import _meta
+from ._schema import OpInfo, bound, call, info
+from ._storage import StorageRef, dtype_name, live_session, new_tensor, ref_of, set_layout
+
+_OP = m.OP
+_cache: dict[Any, _meta.Plan] = {}
+_CACHE_MAX = 1 << 16
+#: Ops handled by ``_transfer`` and friends instead of the generic path (op -> handler).
+SPECIAL: dict[Any, Callable[..., Any]] = {}
+#: Per-session state of the frontend: the seed generation it has applied.
+_seeded: "dict[int, int]" = {}
+SEED = [0, 0]  # [value, generation]; generation 0: never seeded by the user
+_lock = threading.Lock()
+counters = {"ops": 0, "messages": 0, "cache_misses": 0}
+
+
+class NotATorchDevice(EmberError, RuntimeError):
+    """ATen ops were asked of an Ember device whose backend is not torch."""
+
+
+class WrongDevice(EmberError, RuntimeError):
+    """One op mixed tensors of two Ember devices, or an ember tensor with a CPU tensor."""
+
+
+def current_device() -> Device:
+    """The Ember device factory ops (``torch.zeros(..., device="ember")``) run on."""
+    from ..client.device import chosen_device, connect
+    dev = chosen_device()
+    if dev is None:
+        with _lock:
+            dev = _embedded[0] if _embedded else None
+            if dev is None:
+                dev = connect("local:torch")
+                _embedded.append(dev)
+    return dev
+
+
+_embedded: list[Device] = []
+
+
+def check_torch(dev: Device) -> None:
+    kind = dev.info.get("backend")
+    if kind != "torch":
+        raise NotATorchDevice(
+            f"ember tensors need a torch device, and {dev!r} is a {kind} device ({dev.info.get('spec')})",
+            hint="serve one with `ember serve --device torch:cpu` (or torch:cuda:N) and ember.connect to it")
+
+
+def _walk(i: OpInfo, values: list[Any]) -> tuple[list[Any], list[torch.Tensor], list[Any], list[Any], list[Any]]:
+    """(template, operands, scalars, key parts, layouts) of one call."""
+    template: list[Any] = []
+    operands: list[torch.Tensor] = []
+    scalars: list[Any] = []
+    key: list[Any] = []
+    storages: list[int] = []
+    for (name, cat, _kw, _d), v in zip(i.args, values):
+        if cat == A.TENSOR:
+            template.append(_tensor_entry(v, operands, scalars, key, storages, name, i))
+        elif cat == A.TENSOR_LIST:
+            if v is None:
+                template.append(None)
+                key.append(None)
+            else:
+                template.append([_tensor_entry(x, operands, scalars, key, storages, name, i) for x in v])
+                key.append(len(v))
+        elif cat == A.SCALAR:
+            if v is None:
+                template.append(None)
+                key.append(None)
+            else:
+                template.append(1)
+                scalars.append(_wire_scalar(v))
+                key.append(v if i.by_value else type(v))
+        elif cat == A.SCALAR_LIST:
+            if v is None:
+                template.append(None)
+                key.append(None)
+            else:
+                template.append(len(v))
+                scalars.extend(_wire_scalar(x) for x in v)
+                key.append(tuple(v) if i.by_value else tuple(type(x) for x in v))
+        elif cat == A.LITERAL:
+            if isinstance(v, (list, tuple, torch.Size)):
+                v = [int(x) for x in v] if not (v and type(v[0]) is bool) else list(v)
+                key.append(tuple(v))
+            else:
+                key.append(v)
+            template.append(v)
+        elif cat == A.STRING:
+            template.append(v)
+            key.append(v)
+        elif cat == A.DTYPE or cat == A.MEMORY_FORMAT:
+            template.append(None if v is None else str(v)[6:])
+            key.append(v)
+        elif cat == A.LAYOUT:
+            if v is not None and v is not torch.strided:
+                raise NotImplementedError(f"{i.name}: ember tensors are strided only, not {v}")
+            template.append(None if v is None else "strided")
+            key.append(v)
+        elif cat == A.DEVICE:
+            if v is not None:
+                v = torch.device(v)
+                if v.type != "ember":
+                    raise WrongDevice(f"{i.name} was asked for a {v} tensor among ember tensors",
+                                      hint="move data with .to('ember') or .cpu()")
+            template.append(None if v is None else 1)
+            key.append(v is None)
+        elif cat == A.GENERATOR:
+            if v is not None:
+                raise NotImplementedError(f"{i.name}: generator= is not supported on ember tensors "
+                                          "(torch cannot make generators for Python devices); seed with "
+                                          "torch.manual_seed")
+            template.append(None)
+        else:
+            raise NotImplementedError(i.refused or f"{i.name}: unsupported argument {name}")
+    layouts = [[list(t.shape), list(t.stride()), t.storage_offset(), dtype_name(t.dtype)] for t in operands]
+    return template, operands, scalars, key, layouts
+
+
+def _tensor_entry(v: Any, operands: list[torch.Tensor], scalars: list[Any], key: list[Any], storages: list[int],
+                  name: str, i: OpInfo) -> Any:
+    if v is None:
+        key.append(None)
+        return None
+    if isinstance(v, torch.Tensor):
+        if v.device.type != "ember":
+            if v.dim() == 0 and v.device.type == "cpu":
+                v = _upload_scalar(v, operands)  # a 0-d CPU tensor mixes with device tensors, as in CUDA
+            else:
+                raise WrongDevice(
+                    f"Expected all tensors to be on the same device, but found at least two devices, ember:0 "
+                    f"and {v.device}! (argument {name} of {i.name})",
+                    hint="move the CPU tensor with .to('ember') first")
+        st = id(v.untyped_storage())
+        try:
+            alias = storages.index(st)
+        except ValueError:
+            alias = len(storages)
+            storages.append(st)
+        operands.append(v)
+        key.append((v.dtype, v.shape, v.stride(), v.storage_offset(), alias))
+        return 0
+    if isinstance(v, (bool, int, float, complex)):  # a Python number in a Tensor slot (a wrapped number)
+        scalars.append(_wire_scalar(v))
+        key.append(type(v))
+        return 1
+    raise TypeError(f"{i.name}: argument {name} must be a tensor or a number, got {type(v).__name__}")
+
+
+def _wire_scalar(v: Any) -> Any:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, complex):
+        return [v.real, v.imag]
+    if isinstance(v, int):
+        if not A.INT64[0] <= v < 1 << 64:
+            raise OverflowError(f"the integer {v} does not fit in 64 bits")
+        return v
+    if isinstance(v, float):
+        return v
+    if isinstance(v, torch.SymInt | torch.SymFloat):  # pragma: no cover - not in eager mode
+        raise NotImplementedError("symbolic values are not supported on ember tensors")
+    return float(v)
+
+
+def _upload_scalar(v: torch.Tensor, operands: list[torch.Tensor]) -> torch.Tensor:
+    from ._transfer import upload
+    dev = ref_of(operands[0]).device if operands else current_device()
+    return upload(v, dev)
+
+
+def kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Every ATen call on ember tensors (the PrivateUse1 fallback and the claimed overloads)."""
+    special = SPECIAL.get(op)
+    if special is not None:
+        return special(op, *args, **kwargs)
+    return kernel_generic(op, *args, **kwargs)
+
+
+def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """The generic path: infer (cached), record one message, build the outputs."""
+    i = info(op)
+    if i.refused is not None:
+        raise NotImplementedError(i.refused)
+    values = bound(i, args, kwargs)
+    template, operands, scalars, key, layouts = _walk(i, values)
+    k = (op, *key)
+    plan = _cache.get(k)
+    counters["ops"] += 1
+    if plan is None:
+        try:
+            plan = _meta.infer(i, values, operands, template, layouts)
+        except _meta.DataDependent:
+            from ._transfer import run_dynamic
+            return run_dynamic(i, operands, scalars, template, layouts, values)
+        counters["cache_misses"] += 1
+        if len(_cache) >= _CACHE_MAX:
+            _cache.clear()
+        _cache[k] = plan
+    refs = [ref_of(t) for t in operands]
+    dev = device_of(refs, i)
+    s = live_session(refs[0]) if refs else dev.session
+    if plan.send:
+        if i.seeded:
+            apply_seed(s)
+        for r in refs:
+            if r.pending is not None:
+                materialize(r)
+        outs = [next(s.ids) for _ in range(plan.n_fresh)]
+        n = len(refs)
+        ns = len(scalars)
+        s.record([_OP, i.name, [r.sid for r in refs] + scalars, ((1 << ns) - 1) << n if ns else 0, outs,
+                  plan.kwargs])
+        counters["messages"] += 1
+        fresh = [StorageRef(sid, s, dev) for sid in outs]
+    else:
+        fresh = [StorageRef(next(s.ids), s, dev, pending=nb) for nb in plan.fresh_nbytes]
+    for j, size, stride, off in plan.relayout:
+        t = operands[j]
+        set_layout(t, t.untyped_storage(), off, size, stride)
+    out = []
+    for o in plan.outputs:
+        kind = o[0]
+        if kind == _meta.FRESH:
+            out.append(new_tensor(o[2], o[3], o[4], o[5], ref=fresh[o[1]]))
+        elif kind == _meta.VIEW:
+            out.append(new_tensor(o[2], o[3], o[4], o[5], storage=operands[o[1]].untyped_storage()))
+        else:
+            out.append(operands[o[1]])
+    if plan.ret == "one":
+        return out[0]
+    if plan.ret == "none":
+        return None
+    return out if plan.ret == "list" else tuple(out)
+
+
+def device_of(refs: list[StorageRef], i: OpInfo) -> Device:
+    if not refs:
+        dev = current_device()
+        check_torch(dev)
+        return dev
+    dev = refs[0].device
+    for r in refs:
+        if r.device is not dev:
+            raise WrongDevice(f"{i.name} mixes tensors of two Ember devices, {dev!r} and {r.device!r}",
+                              hint="move one with ember.torch.to_device(t, device)")
+    return dev
+
+
+def materialize(r: StorageRef) -> None:
+    """Allocate a pending storage on its peer (zeroed) before its first use."""
+    n, r.pending = r.pending, None
+    live_session(r).record([_OP, "torch.alloc", [], 0, [r.sid], {"n": n}])
+
+
+def apply_seed(s: Any) -> None:
+    """Before a random op: reseed the session's generator if torch.manual_seed ran since it last was."""
+    value, gen = SEED
+    if gen and _seeded.get(id(s)) != gen:
+        _seeded[id(s)] = gen
+        s.record([_OP, "torch.seed", [value], 1, [], None])
+
+
+def manual_seed_all(seed: int) -> None:
+    """``torch.manual_seed`` reaches every Ember peer: their generators restart from ``seed``."""
+    SEED[0] = int(seed) & ((1 << 64) - 1)
+    SEED[1] += 1
+
+
+def meta_call(i: OpInfo, values: list[Any]) -> Any:
+    """Run an overload's meta kernel directly on ember tensors (metadata-only ops: set_, t_...)."""
+    torch._C._set_meta_in_tls_dispatch_include(True)
+    try:
+        return call(i, values)
+    finally:
+        torch._C._set_meta_in_tls_dispatch_include(False)
+
+
+__all__ = ["kernel", "kernel_generic", "device_of", "apply_seed", "SPECIAL", "current_device", "check_torch", "materialize", "manual_seed_all",
+           "NotATorchDevice", "WrongDevice", "counters"]

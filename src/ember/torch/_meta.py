@@ -1,0 +1,127 @@
+"""Shapes, strides and dtypes without a round trip: run the overload on meta tensors, once per layout.
+
+On a cache miss every operand becomes a meta view of one meta base per remote storage
+(so aliasing is the same as on the peer), the overload runs on metas, and each output
+is classified: the input object itself (in-place, ``out=``), a view of an operand's
+storage, a fresh storage, or a non-tensor value. The result, a :class:`Plan`, is cached
+under the op and its operands' layouts, alias pattern and literal arguments (scalar
+*values* are left out of the key, their types kept), so a training step runs the meta
+kernels only in its first iteration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..protocol import aten as A
+from ._schema import OpInfo, call
+from ._storage import dtype_name
+
+FRESH, VIEW, INPUT = 0, 1, 2
+
+
+class DataDependent(Exception):
+    """The outputs' shapes depend on the values (nonzero, boolean masks...): ask the peer."""
+
+
+class Plan:
+    """What one (op, layouts, literals) does: the message's fixed part and how to build the outputs."""
+
+    __slots__ = ("send", "kwargs", "outputs", "n_fresh", "relayout", "ret", "fresh_nbytes", "value")
+
+    def __init__(self) -> None:
+        self.send = True
+        self.kwargs: dict[str, Any] = {}
+        self.outputs: list[tuple[Any, ...]] = []   # per flat return: (FRESH, k, dtype, size, stride, off) ...
+        self.n_fresh = 0
+        self.relayout: list[tuple[int, tuple[int, ...], tuple[int, ...], int]] = []
+        self.ret = "one"   # one | tuple | list | none
+        self.fresh_nbytes: list[int] = []
+        self.value = False  # a non-tensor result: run remotely and read
+
+
+def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: list[Any],
+          layouts: list[Any]) -> Plan:
+    """Run the overload on metas and describe its outputs (raises the op's own error for bad calls)."""
+    bases: dict[int, torch.Tensor] = {}
+    metas: list[torch.Tensor] = []
+    for t in operands:
+        st = t.untyped_storage()
+        base = bases.get(id(st))
+        if base is None:
+            base = bases[id(st)] = torch.empty((st.nbytes(),), dtype=torch.uint8, device="meta")
+        metas.append(torch.empty((0,), dtype=t.dtype, device="meta").set_(
+            base.untyped_storage(), t.storage_offset(), t.shape, t.stride()))
+    it = iter(metas)
+    mvalues = []
+    for (_n, cat, _k, _d), v in zip(i.args, values):
+        if cat == A.TENSOR and isinstance(v, torch.Tensor):
+            v = next(it)
+        elif cat == A.TENSOR_LIST and v is not None:
+            v = [next(it) if isinstance(x, torch.Tensor) else x for x in v]
+        elif cat == A.DEVICE and v is not None:
+            v = torch.device("meta")
+        mvalues.append(v)
+    before = [(tuple(m.shape), tuple(m.stride()), m.storage_offset()) for m in metas]
+    try:
+        res = call(i, mvalues)
+    except NotImplementedError as e:
+        raise DataDependent(str(e)) from None
+    except RuntimeError as e:
+        if "data-dependent" in str(e) or "meta" in str(e).lower() and "kernel" in str(e).lower():
+            raise DataDependent(str(e)) from None
+        raise
+    plan = Plan()
+    flat: list[Any]
+    if isinstance(res, torch.Tensor):
+        flat = [res]
+    elif isinstance(res, (tuple, list)):
+        flat = list(res)
+        plan.ret = "list" if isinstance(res, list) else "tuple"
+    elif res is None:
+        flat, plan.ret = [], "none"
+    else:
+        raise DataDependent(f"{i.name} returns a {type(res).__name__}")
+    base_ids = {b.untyped_storage()._cdata: n for n, b in enumerate(bases.values())}
+    first_of_base = {}
+    for k, t in enumerate(operands):
+        first_of_base.setdefault(id(t.untyped_storage()), k)
+    order = list(bases)
+    specs: list[list[Any]] = []
+    for pos, r in enumerate(flat):
+        if not isinstance(r, torch.Tensor):
+            raise DataDependent(f"{i.name} returns a {type(r).__name__}")
+        j = next((k for k, mt in enumerate(metas) if r is mt), None)
+        if j is not None:
+            plan.outputs.append((INPUT, j))
+            continue
+        b = base_ids.get(r.untyped_storage()._cdata)
+        if b is not None:
+            plan.outputs.append((VIEW, first_of_base[order[b]], r.dtype, tuple(r.shape), tuple(r.stride()),
+                                 r.storage_offset()))
+            continue
+        nbytes = max(r.untyped_storage().nbytes(), A.layout_extent(
+            [list(r.shape), list(r.stride()), r.storage_offset(), dtype_name(r.dtype)], _ITEMSIZE))
+        plan.outputs.append((FRESH, plan.n_fresh, r.dtype, tuple(r.shape), tuple(r.stride()), r.storage_offset()))
+        plan.fresh_nbytes.append(nbytes)
+        specs.append([pos, list(r.shape), list(r.stride()), r.storage_offset(), dtype_name(r.dtype), nbytes])
+        plan.n_fresh += 1
+    for k, (m, b) in enumerate(zip(metas, before)):
+        now = (tuple(m.shape), tuple(m.stride()), m.storage_offset())
+        if now != b:
+            plan.relayout.append((k, now[0], now[1], now[2]))
+    writes = any(w for w in i.writes)
+    pure_view = not writes and plan.n_fresh == 0
+    plan.send = not (i.inplace_view or pure_view or i.alloc)
+    plan.kwargs = {"a": template, "l": layouts, "o": specs}
+    return plan
+
+
+_ITEMSIZE = {dtype_name(d): d.itemsize for d in (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+    torch.float32, torch.float64, torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
+    torch.complex32)}
+
+__all__ = ["Plan", "infer", "DataDependent", "FRESH", "VIEW", "INPUT"]

@@ -1,0 +1,86 @@
+"""What the client needs to know of one ATen overload, read once from its schema."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..protocol import aten as A
+
+_VALUE_SHAPED = frozenset({"arange", "range", "linspace", "logspace"})
+"""Ops whose output shape depends on the *values* of their scalar arguments."""
+
+_EMPTY = frozenset({"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "empty_permuted"})
+"""Ops that only allocate: their storage stays pending until first use."""
+
+
+class OpInfo:
+    """One overload: its wire name, argument categories and the flags the dispatch path needs."""
+
+    __slots__ = ("op", "name", "base", "args", "n_pos", "writes", "inplace_view", "seeded", "by_value",
+                 "alloc", "returns", "list_return", "refused")
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+        schema = op._schema
+        base = schema.name.split("::", 1)[1]
+        self.base = base
+        self.name = f"aten.{base}.{schema.overload_name or 'default'}"
+        self.args = [(a.name, A.category(str(a.real_type)), a.kwarg_only,
+                      a.default_value if a.has_default_value() else _REQUIRED) for a in schema.arguments]
+        self.n_pos = sum(1 for a in schema.arguments if not a.kwarg_only)
+        self.writes = tuple(bool(a.alias_info is not None and a.alias_info.is_write) for a in schema.arguments)
+        self.inplace_view = torch.Tag.inplace_view in op.tags and base not in ("resize_", "resize_as_")
+        self.seeded = torch.Tag.nondeterministic_seeded in op.tags
+        self.by_value = base in _VALUE_SHAPED or not any(c in (A.TENSOR, A.TENSOR_LIST) for _, c, _, _ in self.args)
+        self.alloc = base in _EMPTY
+        self.returns = [str(r.real_type) for r in schema.returns]
+        self.list_return = self.returns == ["List[Tensor]"]
+        bad = [str(a.real_type) for a in schema.arguments if A.category(str(a.real_type)) is None]
+        bad += [t for t in self.returns if t not in A.RETURNS]
+        self.refused = (f"{self.name} takes or returns {', '.join(bad)}, which ember tensors do not support"
+                        if bad else None)
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+_REQUIRED = _Required()
+_infos: dict[Any, OpInfo] = {}
+
+
+def info(op: Any) -> OpInfo:
+    i = _infos.get(op)
+    if i is None:
+        i = _infos[op] = OpInfo(op)
+    return i
+
+
+def bound(i: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """Every schema argument's value, in schema order (defaults filled in)."""
+    out: list[Any] = []
+    n = len(args)
+    for k, (name, _cat, kwonly, default) in enumerate(i.args):
+        if not kwonly and k < n:
+            v = args[k]
+        elif name in kwargs:
+            v = kwargs[name]
+        elif default is _REQUIRED:
+            raise TypeError(f"{i.name}: missing argument {name!r}")
+        else:
+            v = default
+        out.append(v)
+    return out
+
+
+def call(i: OpInfo, values: list[Any]) -> Any:
+    """Call the overload with schema-ordered ``values`` (positional, then keyword-only)."""
+    pos = values[:i.n_pos]
+    kw = {name: v for (name, _c, kwonly, _d), v in zip(i.args, values) if kwonly}
+    return i.op(*pos, **kw)
+
+
+__all__ = ["OpInfo", "info", "bound", "call"]

@@ -1,0 +1,228 @@
+"""Where values cross the link: uploads, reads, data-dependent shapes, moves between Ember devices.
+
+These are the only places ``ember.torch`` waits for a peer, and each is a point where
+torch itself needs a value: ``.item()``, ``.cpu()``/printing, ``bool(t)``, a shape that
+depends on data (``nonzero``, boolean masks). A CPU tensor copied to ``ember`` is
+snapshotted when the copy is recorded, so changing it afterwards changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..client.device import Device
+from ..protocol import messages as m
+from . import _dispatch as D
+from ._schema import OpInfo, info
+from ._storage import StorageRef, dtype_name, live_session, new_tensor, ref_of
+
+_OP = m.OP
+_DTYPES = {dtype_name(d): d for d in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                                      torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                                      torch.complex64, torch.complex128, torch.uint16, torch.uint32,
+                                      torch.uint64)}
+
+
+def _bytes_of(host: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's bytes as a flat uint8 array (no copy)."""
+    flat = host.reshape(-1)
+    return (flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)).numpy()
+
+
+def upload(src: torch.Tensor, dev: Device) -> torch.Tensor:
+    """A CPU tensor's value as a new ember tensor on ``dev`` (contiguous, a storage of its own)."""
+    D.check_torch(dev)
+    host = src.detach().resolve_conj().resolve_neg().contiguous()
+    s = dev.session
+    sid = s.upload(_bytes_of(host))
+    return new_tensor(host.dtype, host.shape, host.stride(), 0, ref=StorageRef(sid, s, dev))
+
+
+def _covers_storage(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.storage_offset() == 0 and \
+        t.numel() * t.element_size() == t.untyped_storage().nbytes()
+
+
+def copy_from_host(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(cpu_tensor)``: upload, straight into ``dst``'s storage when it covers all of it."""
+    host = src.detach().resolve_conj().resolve_neg().to(dtype=dst.dtype).expand(dst.shape).contiguous()
+    r = ref_of(dst)
+    s = live_session(r)
+    if _covers_storage(dst):
+        new = StorageRef(s.upload(_bytes_of(host)), s, r.device)
+        dst.untyped_storage()._ember = new  # the old id (if it ever existed) is dropped with its ref
+        return dst
+    tmp = upload(host, r.device)
+    torch.ops.aten.copy_.default(dst, tmp)
+    return dst
+
+
+def read(t: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
+    """The value of an ember tensor as a CPU tensor (one round trip)."""
+    r = ref_of(t)
+    if r.pending is not None:  # never written: the peer would allocate it zeroed
+        return torch.zeros(t.shape, dtype=t.dtype)
+    st = t.untyped_storage()
+    need = t.numel() * t.element_size()
+    src = t
+    if not _covers_storage(t) and st.nbytes() > 2 * need + 4096:  # a small view of a big storage
+        src = torch.ops.aten.clone.default(t, memory_format=torch.contiguous_format)
+        r = ref_of(src)
+    s = live_session(r)
+    _dt, _shape, _off, data, _total = s.request(m.READ, r.sid, timeout=timeout)
+    s.stats["reads"] += 1
+    buf = data if isinstance(data, bytearray) else bytearray(data)
+    flat = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    typed = flat.view(t.dtype) if len(buf) else torch.empty(0, dtype=t.dtype)
+    out = torch.as_strided(typed, src.shape, src.stride(), src.storage_offset())
+    return out if src is not t or _covers_storage(t) else out.clone()
+
+
+def copy_(op: Any, dst: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
+    """``aten.copy_`` and ``aten._copy_from``: between ember and CPU tensors, or two Ember devices."""
+    if op is torch.ops.aten._copy_from.default:  # _copy_from(self=src, dst)
+        src, dst = dst, src
+    if not isinstance(src, torch.Tensor):
+        return D.kernel_generic(torch.ops.aten.copy_.default, dst, src, non_blocking)
+    d_ember, s_ember = dst.device.type == "ember", src.device.type == "ember"
+    if d_ember and not s_ember:
+        if src.dim() == 0 and src.device.type == "cpu":
+            return D.kernel_generic(torch.ops.aten.copy_.default, dst, upload(src, ref_of(dst).device))
+        if src.device.type != "cpu":
+            src = src.cpu()
+        return copy_from_host(src, dst)
+    if s_ember and not d_ember:
+        return dst.copy_(read(src), non_blocking=non_blocking)
+    if ref_of(src).device is not ref_of(dst).device:
+        src = to_device(src, ref_of(dst).device)
+    return D.kernel_generic(torch.ops.aten.copy_.default, dst, src, non_blocking)
+
+
+def local_scalar(op: Any, t: torch.Tensor) -> Any:
+    """``.item()``, ``bool(t)``, ``int(t)``: one read."""
+    return read(t).item()
+
+
+def run_dynamic(i: OpInfo, operands: list[torch.Tensor], scalars: list[Any], template: list[Any],
+                layouts: list[Any], values: list[Any]) -> Any:
+    """An op whose output shapes depend on data: run it, ask each output's shape (one round trip each)."""
+    if any(t == "List[Tensor]" for t in i.returns):
+        raise NotImplementedError(f"{i.name}: a data-dependent list of outputs is not supported on ember tensors")
+    refs = [ref_of(t) for t in operands]
+    dev = D.device_of(refs, i)
+    s = live_session(refs[0]) if refs else dev.session
+    if i.seeded:
+        D.apply_seed(s)
+    for r in refs:
+        if r.pending is not None:
+            D.materialize(r)
+    outs = [next(s.ids) for _ in i.returns]
+    ns, n = len(scalars), len(refs)
+    s.record([_OP, i.name, [r.sid for r in refs] + scalars, ((1 << ns) - 1) << n if ns else 0, outs,
+              {"a": template, "l": layouts, "o": None}])
+    results: list[Any] = []
+    for rtype, tid in zip(i.returns, outs):
+        if rtype == "Tensor":
+            shape, dt = s.request(m.SHAPE, tid)
+            sid = next(s.ids)
+            s.record([_OP, "torch.storage_of", [tid], 0, [sid], None])
+            s.release(tid)
+            dtype = _DTYPES[dt]
+            stride = _contiguous(shape)
+            results.append(new_tensor(dtype, shape, stride, 0, ref=StorageRef(sid, s, dev)))
+        else:
+            _dt, _shape, _off, data, _total = s.request(m.READ, tid)
+            s.release(tid)
+            v = np.frombuffer(bytes(data), dtype=np.dtype(_dt)).reshape(()).item()
+            results.append(bool(v) if rtype == "bool" else int(v) if rtype == "int" else v)
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def _contiguous(shape: list[int]) -> list[int]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return stride[::-1]
+
+
+# ---- Ember devices and ember.array_api ---------------------------------------------------
+
+def to_array(t: torch.Tensor) -> Any:
+    """The tensor as an ``ember.array_api`` array on its device, sharing memory when contiguous."""
+    from ..array_api import _dtypes
+    from ..array_api._array import RemoteArray
+    r = ref_of(t)
+    s = live_session(r)
+    if r.pending is not None:
+        D.materialize(r)
+    aid = next(s.ids)
+    s.record([_OP, "torch.array_of", [r.sid], 0, [aid], {"l": [[list(t.shape), list(t.stride()),
+                                                                t.storage_offset(), dtype_name(t.dtype)]]}])
+    return RemoteArray(aid, tuple(t.shape), _dtypes.to_dtype(dtype_name(t.dtype)), r.device, s)
+
+
+def from_array(a: Any) -> torch.Tensor:
+    """An ``ember.array_api`` array on a torch device as an ember tensor (no data moves)."""
+    from ..array_api._array import RemoteArray
+    if not isinstance(a, RemoteArray):
+        raise TypeError(f"from_array takes an ember.array_api array, got {type(a).__name__}")
+    dev = a.device
+    D.check_torch(dev)
+    s = a._session
+    sid = next(s.ids)
+    s.record([_OP, "torch.storage_of", [a._id], 0, [sid], None])
+    shape = list(a.shape)
+    return new_tensor(_DTYPES[a.dtype.name], shape, _contiguous(shape), 0, ref=StorageRef(sid, s, dev))
+
+
+def _move(t: torch.Tensor, dev: Device, **options: Any) -> torch.Tensor:
+    """The tensor's storage bytes moved to ``dev`` the cheapest way the transfer layer knows."""
+    D.check_torch(dev)
+    if not _covers_storage(t):
+        t = torch.ops.aten.clone.default(t, memory_format=torch.contiguous_format)
+    flat = torch.ops.aten.view.dtype(t.reshape(-1), torch.uint8) if t.numel() else t
+    moved = to_array(flat).to_device(dev, **options)
+    out = from_array(moved)
+    return new_tensor(t.dtype, t.shape, t.stride(), 0, storage=out.untyped_storage()) if t.numel() else \
+        new_tensor(t.dtype, t.shape, t.stride(), 0, ref=StorageRef(next(dev.session.ids), dev.session, dev,
+                                                                   pending=0))
+
+
+class _ToDevice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, dev: Device, options: dict[str, Any]) -> torch.Tensor:
+        ctx.src = ref_of(t).device
+        return _move(t, dev, **options)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _move(grad, ctx.src), None, None
+
+
+def to_device(t: torch.Tensor, dev: Device, **options: Any) -> torch.Tensor:
+    """``t`` on Ember device ``dev`` (differentiable: gradients flow back to the source device).
+
+    Same peer: an in-process hand-over; another peer: a direct peer-to-peer download; the
+    embedded peer or ``via_client=True``: through this client. Options as for
+    ``ember.array_api``'s ``to_device`` (``via_client``, ``downloads``, ``ttl``, ``timeout``).
+    """
+    if not isinstance(t, torch.Tensor) or t.device.type != "ember":
+        raise TypeError("to_device moves ember tensors; use t.to('ember') for CPU tensors")
+    if not isinstance(dev, Device):
+        raise TypeError(f"to_device needs an ember Device (from ember.connect), got {type(dev).__name__}")
+    if ref_of(t).device is dev:
+        return t
+    return _ToDevice.apply(t, dev, options)
+
+
+def device_of(t: torch.Tensor) -> Device:
+    """The Ember device (peer and index) an ember tensor lives on."""
+    return ref_of(t).device
+
+
+__all__ = ["upload", "read", "copy_", "local_scalar", "run_dynamic", "to_array", "from_array", "to_device",
+           "device_of", "info"]
