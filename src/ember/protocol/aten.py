@@ -10,9 +10,10 @@ a tensor operand is a storage id plus a *layout* ``[size, stride, offset, dtype]
 
 * ``name``: ``"aten.<op>.<overload>"`` (``default`` for the default overload), or an
   internal name of :data:`INTERNAL`.
-* ``args``: the storage id of each tensor operand in schema order, then the value of
-  each *scalar slot* (``smask`` has their bits set). Scalars that change from call to
-  call (a learning rate, Adam's bias corrections) are thus graph scalars, not structure.
+* ``args``: first the list of the values of the call's *scalar slots*, in schema order
+  (``smask`` is 1: that list is the message's one literal), then the storage id of each
+  tensor operand in schema order. Scalars that change from call to call (a learning
+  rate, Adam's bias corrections) are thus graph scalars, not structure.
 * ``outs``: a fresh storage id for each output the client classified *fresh*.
 * ``kwargs``: ``{"a": template, "l": layouts, "o": out_specs}``:
 

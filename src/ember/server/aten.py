@@ -39,6 +39,9 @@ _DENY = re.compile(r"from_file|unsafe|as_strided|^set_|pin_memory|is_pinned|reco
 """Overloads never run, whatever their arguments (see the module docstring)."""
 
 _RESIZE = frozenset({"resize_", "resize_as_"})
+_UNUSED_EMPTY = frozenset({"native_batch_norm", "_native_batch_norm_legit"})
+"""Ops whose CPU kernel returns an empty tensor for an output the meta kernel sizes (batch norm's
+saved statistics in eval mode): the peer stores zeros in the client's layout instead."""
 _rng_locks: dict[str, threading.Lock] = {}
 
 
@@ -146,10 +149,11 @@ class AtenKernel:
         self.resize = name.split(".")[1] in _RESIZE
 
     def written(self, kwargs: Any) -> list[int]:
-        """Positions (among the message's args) of the tensor operands this call writes."""
+        """Positions (among the message's args: the scalar list, then the operands) of the operands this
+        call writes."""
         tmpl = kwargs.get("a") if isinstance(kwargs, dict) else None
         out: list[int] = []
-        k = 0
+        k = 1
         for (_, cat, _, _), w, entry in zip(self.args, self.writes, tmpl or ()):
             items = entry if cat == A.TENSOR_LIST and isinstance(entry, list) else [entry] if cat == A.TENSOR else []
             for e in items:
@@ -159,12 +163,13 @@ class AtenKernel:
                     k += 1
         return out
 
-    def __call__(self, *vals: Any, a: Any, l: Any, o: Any) -> Any:  # noqa: E741
-        if not isinstance(l, list) or not isinstance(a, list) or len(a) != len(self.args) or len(l) > len(vals):
+    def __call__(self, scalars: Any, *bufs: Any, a: Any, l: Any, o: Any) -> Any:  # noqa: E741
+        if not isinstance(l, list) or not isinstance(a, list) or len(a) != len(self.args) \
+                or len(l) != len(bufs) or not isinstance(scalars, list):
             raise ValueError(f"malformed ATen call of {self.name}: the template does not match its schema")
         dev = self.device
-        tensors = [operand(vals[i], l[i], dev) for i in range(len(l))]
-        args, kwargs, before = self._bind(a, tensors, vals[len(l):])
+        tensors = [operand(b, lay, dev) for b, lay in zip(bufs, l)]
+        args, kwargs, before = self._bind(a, tensors, scalars)
         if self.seeded:
             res = self.rng.run(lambda: self.op(*args, **kwargs))
         else:
@@ -173,7 +178,7 @@ class AtenKernel:
             self._zero_growth(t, nbytes)
         return self._results(res, o, tensors)
 
-    def _bind(self, tmpl: list[Any], tensors: list[torch.Tensor], scalars: tuple[Any, ...]) -> Any:
+    def _bind(self, tmpl: list[Any], tensors: list[torch.Tensor], scalars: list[Any]) -> Any:
         args: list[Any] = []
         kwargs: dict[str, Any] = {}
         ti = si = 0
@@ -273,6 +278,9 @@ class AtenKernel:
     def _results(self, res: Any, specs: Any, operands: list[torch.Tensor]) -> Any:
         flat = list(res) if isinstance(res, (tuple, list)) else [res]
         if specs is None:  # data-dependent outputs: contiguous values, the client asks their shapes
+            if any(r is None for r in flat):
+                raise RuntimeError(f"{self.name} returned an undefined tensor, which a data-dependent op "
+                                   "cannot send back")
             out = tuple(r.contiguous() if isinstance(r, torch.Tensor) else torch.tensor(r, device=self.device)
                         for r in flat)
             return out[0] if len(out) == 1 else out
@@ -294,6 +302,8 @@ class AtenKernel:
             raise ValueError(f"output spec of {self.name}: {nbytes!r} bytes cannot hold layout {layout}")
         if not isinstance(r, torch.Tensor):
             r = torch.tensor(r, device=self.device)
+        if list(r.shape) != size and r.numel() == 0 and self.name.split(".")[1] in _UNUSED_EMPTY:
+            r = torch.zeros(size, dtype=DTYPES[dtype], device=self.device)
         if list(r.shape) != size or r.dtype is not DTYPES[dtype]:
             raise RuntimeError(f"{self.name} returned {tuple(r.shape)} {r.dtype} on the peer where the client "
                                f"inferred {tuple(size)} {dtype}")

@@ -104,16 +104,26 @@ class _Guard(torch._C._acc.DeviceGuard):  # type: ignore[misc,name-defined]
 
 
 def _claimed_overloads() -> list[str]:
-    """Overloads that reach a backend decomposed unless it claims them (see the module docstring)."""
+    """Overloads that reach a backend decomposed (or not at all) unless it claims them.
+
+    ``CompositeExplicitAutogradNonFunctional`` kernels (``a + b`` -> ``empty`` + ``add.out``) and
+    ``_foreach_*`` composites (one op per tensor); and ``CompositeExplicitAutograd`` ops with a
+    meta kernel: one message instead of their decomposition, and the only way for ops such as
+    ``convolution``, whose composite routes an unknown device to ``convolution_overrideable``.
+    """
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     out = []
     for name in torch._C._dispatch_get_all_op_names():
-        if not name.startswith("aten::"):
+        if not name.startswith("aten::") or name in _NOT_CLAIMED:
             continue
         if has(name, "CompositeExplicitAutogradNonFunctional") or \
-                name.startswith("aten::_foreach_") and has(name, "CompositeExplicitAutograd"):
+                has(name, "CompositeExplicitAutograd") and (name.startswith("aten::_foreach_") or has(name, "Meta")):
             out.append(name)
     return out
+
+
+_NOT_CLAIMED = frozenset({"aten::_print", "aten::is_same_size", "aten::_assert_tensor_metadata",
+                          "aten::_functional_sym_constrain_range"})
 
 
 def _overload(qualname: str) -> Any:
@@ -146,7 +156,7 @@ def register() -> None:
             claims.impl(name[len("aten::"):], functools.partial(D.kernel, op), "PrivateUse1")
         _libs.extend([fallback, claims])
         from . import _patches
-        _patches.install()
+        _libs.extend(_patches.install())
         _registered = True
 
 

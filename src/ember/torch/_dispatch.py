@@ -229,10 +229,7 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
             if r.pending is not None:
                 materialize(r)
         outs = [next(s.ids) for _ in range(plan.n_fresh)]
-        n = len(refs)
-        ns = len(scalars)
-        s.record([_OP, i.name, [r.sid for r in refs] + scalars, ((1 << ns) - 1) << n if ns else 0, outs,
-                  plan.kwargs])
+        s.record([_OP, i.name, [scalars, *[r.sid for r in refs]], 1, outs, plan.kwargs])
         counters["messages"] += 1
         fresh = [StorageRef(sid, s, dev) for sid in outs]
     else:
@@ -247,8 +244,10 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
             out.append(new_tensor(o[2], o[3], o[4], o[5], ref=fresh[o[1]]))
         elif kind == _meta.VIEW:
             out.append(new_tensor(o[2], o[3], o[4], o[5], storage=operands[o[1]].untyped_storage()))
-        else:
+        elif kind == _meta.INPUT:
             out.append(operands[o[1]])
+        else:
+            out.append(o[1] if kind == _meta.VALUE else None)
     if plan.ret == "one":
         return out[0]
     if plan.ret == "none":

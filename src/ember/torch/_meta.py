@@ -19,7 +19,7 @@ from ..protocol import aten as A
 from ._schema import OpInfo, call
 from ._storage import dtype_name
 
-FRESH, VIEW, INPUT = 0, 1, 2
+FRESH, VIEW, INPUT, NONE, VALUE = 0, 1, 2, 3, 4
 
 
 class DataDependent(Exception):
@@ -83,7 +83,7 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
     elif res is None:
         flat, plan.ret = [], "none"
     else:
-        raise DataDependent(f"{i.name} returns a {type(res).__name__}")
+        flat = [res]
     base_ids = {b.untyped_storage()._cdata: n for n, b in enumerate(bases.values())}
     first_of_base = {}
     for k, t in enumerate(operands):
@@ -91,8 +91,12 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
     order = list(bases)
     specs: list[list[Any]] = []
     for pos, r in enumerate(flat):
-        if not isinstance(r, torch.Tensor):
-            raise DataDependent(f"{i.name} returns a {type(r).__name__}")
+        if r is None:  # an undefined tensor (convolution_backward's unneeded gradients...)
+            plan.outputs.append((NONE,))
+            continue
+        if not isinstance(r, torch.Tensor):  # a value the meta kernel knew from metadata alone
+            plan.outputs.append((VALUE, r))
+            continue
         j = next((k for k, mt in enumerate(metas) if r is mt), None)
         if j is not None:
             plan.outputs.append((INPUT, j))
@@ -124,4 +128,4 @@ _ITEMSIZE = {dtype_name(d): d.itemsize for d in (
     torch.float32, torch.float64, torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
     torch.complex32)}
 
-__all__ = ["Plan", "infer", "DataDependent", "FRESH", "VIEW", "INPUT"]
+__all__ = ["Plan", "infer", "DataDependent", "FRESH", "VIEW", "INPUT", "NONE", "VALUE"]

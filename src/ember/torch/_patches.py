@@ -50,9 +50,27 @@ def _resize(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             r.pending = grown
         else:
             s = D.live_session(r)
-            s.record([D._OP, "aten.resize_.default", [r.sid], 0, [],
+            s.record([D._OP, "aten.resize_.default", [[], r.sid], 1, [],
                       {"a": [0, list(self.shape), None], "l": [old], "o": []}])
     return self
+
+
+_choices: dict[Any, Any] = {}
+
+
+def _peer_decides(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """A metadata-only choice that depends on the peer's hardware (``_fused_sdp_choice``: which attention
+    kernel): asked of the peer once per device and layout, then cached, so a torch:cpu peer picks the
+    kernel local CPU torch picks and a GPU peer the one its GPU offers."""
+    i = info(op)
+    values = bound(i, args, kwargs)
+    template, operands, scalars, key, layouts = D._walk(i, values)
+    dev = D.device_of([ref_of(t) for t in operands], i)
+    k = (op, id(dev), *key)
+    v = _choices.get(k)
+    if v is None:
+        v = _choices[k] = T.run_dynamic(i, operands, scalars, template, layouts, values)
+    return v
 
 
 def _pin(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -76,6 +94,7 @@ def _install_ops() -> None:
     S[aten.is_pinned.default] = lambda op, self, device=None: False
     S[aten._pin_memory.default] = _pin
     S[aten.record_stream.default] = lambda op, *a, **k: None
+    S[aten._fused_sdp_choice.default] = _peer_decides
 
 
 def _install_print() -> None:
@@ -108,10 +127,38 @@ def _install_save() -> None:
     torch.Tensor._reduce_ex_internal = _reduce_ex_internal  # type: ignore[method-assign]
 
 
-def install() -> None:
+_FLASH = 1  # sdp::SDPBackend::flash_attention
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
+          is_causal: bool = False, *, scale: Any = None, enable_gqa: bool = False) -> torch.Tensor:
+    """``scaled_dot_product_attention`` on ember tensors picks its kernel as the peer's device would.
+
+    torch's composite picks through a C++ dispatch stub a Python device cannot fill, so it would
+    always take the math path; here the peer is asked (once per layout) which kernel its device
+    takes, and a torch:cpu peer runs the same fused CPU kernel local torch runs (bit-equal).
+    """
+    choice = _peer_decides(aten._fused_sdp_choice.default, q, k, v, attn_mask, dropout_p, is_causal,
+                           scale=scale, enable_gqa=enable_gqa)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as torch's convert_boolean_attn_mask
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            attn_mask.logical_not(), float("-inf"))
+    if choice == _FLASH and D.device_of([ref_of(q)], info(aten._fused_sdp_choice.default)).info.get(
+            "spec", "").startswith("torch:cpu"):
+        return aten._scaled_dot_product_flash_attention_for_cpu.default(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+    return aten._scaled_dot_product_attention_math.default(
+        q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+
+
+def install() -> list[Any]:
+    """Install the patches; returns the torch.library registrations to keep alive."""
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
     _install_ops()
     _install_print()
     _install_save()
+    return [lib]
 
 
 __all__ = ["install"]

@@ -120,9 +120,7 @@ def run_dynamic(i: OpInfo, operands: list[torch.Tensor], scalars: list[Any], tem
         if r.pending is not None:
             D.materialize(r)
     outs = [next(s.ids) for _ in i.returns]
-    ns, n = len(scalars), len(refs)
-    s.record([_OP, i.name, [r.sid for r in refs] + scalars, ((1 << ns) - 1) << n if ns else 0, outs,
-              {"a": template, "l": layouts, "o": None}])
+    s.record([_OP, i.name, [scalars, *[r.sid for r in refs]], 1, outs, {"a": template, "l": layouts, "o": None}])
     results: list[Any] = []
     for rtype, tid in zip(i.returns, outs):
         if rtype == "Tensor":
