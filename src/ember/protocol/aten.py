@@ -30,9 +30,11 @@ a tensor operand is a storage id plus a *layout* ``[size, stride, offset, dtype]
   - ``o``: ``[position, size, stride, offset, dtype, nbytes]`` per fresh output
     (``position`` in the op's flattened returns); the peer stores the result in that
     layout in a storage of ``nbytes`` bytes. ``None``: the client could not infer the
-    outputs (data-dependent shapes): the peer stores each output as a contiguous
-    *value* under its id and the client asks its shape (``SHAPE``), then turns it into
-    a storage with ``torch.storage_of``.
+    outputs (data-dependent shapes): ``outs`` has one id per return plus one more; the
+    peer stores each tensor output as a storage (a non-tensor result as a 0-d value)
+    and under the last id an int64 vector describing them (per output ``-1`` undefined,
+    ``-2`` a value, or ``ndim, *size, *stride, offset, index into DTYPES``), which the
+    client reads: one round trip.
 
 A complex scalar travels as ``[real, imag]``. Non-tensor results (``aten.equal``,
 ``aten._local_scalar_dense``...) are stored as 0-d values and read back.

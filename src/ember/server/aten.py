@@ -176,6 +176,11 @@ class AtenKernel:
             res = self.op(*args, **kwargs)
         for t, nbytes in before:
             self._zero_growth(t, nbytes)
+        if before:
+            for b in bufs:  # a storage that grew (resize_, out=): its value spans all of it again
+                st = b.untyped_storage()
+                if b.numel() != st.nbytes():
+                    b.set_(st)
         return self._results(res, o, tensors)
 
     def _bind(self, tmpl: list[Any], tensors: list[torch.Tensor], scalars: list[Any]) -> Any:
@@ -277,13 +282,8 @@ class AtenKernel:
 
     def _results(self, res: Any, specs: Any, operands: list[torch.Tensor]) -> Any:
         flat = list(res) if isinstance(res, (tuple, list)) else [res]
-        if specs is None:  # data-dependent outputs: contiguous values, the client asks their shapes
-            if any(r is None for r in flat):
-                raise RuntimeError(f"{self.name} returned an undefined tensor, which a data-dependent op "
-                                   "cannot send back")
-            out = tuple(r.contiguous() if isinstance(r, torch.Tensor) else torch.tensor(r, device=self.device)
-                        for r in flat)
-            return out[0] if len(out) == 1 else out
+        if specs is None:  # data-dependent outputs: stored as they came, their layouts in a last value
+            return self._dynamic(flat, operands)
         if not isinstance(specs, list):
             raise ValueError(f"malformed ATen call of {self.name}: output specs")
         stored = []
@@ -293,6 +293,26 @@ class AtenKernel:
                 raise ValueError(f"malformed output spec of {self.name}: {str(spec)[:80]}")
             stored.append(self._store(flat[spec[0]], spec, operands))
         return stored[0] if len(stored) == 1 else tuple(stored)
+
+    def _dynamic(self, flat: list[Any], operands: list[torch.Tensor]) -> tuple[Any, ...]:
+        """Each output as the op made it (a storage, or a 0-d value), then one int64 vector describing them:
+        per output ``-1`` (undefined), ``-2`` (a value) or ``ndim, *size, *stride, offset, dtype index``."""
+        out: list[Any] = []
+        desc: list[int] = []
+        for r in flat:
+            if r is None:
+                desc.append(-1)
+                out.append(torch.zeros(0, dtype=torch.uint8, device=self.device))
+            elif isinstance(r, torch.Tensor):
+                if any(o.untyped_storage().data_ptr() == r.untyped_storage().data_ptr() for o in operands):
+                    r = r.clone()
+                desc += [r.dim(), *r.shape, *r.stride(), r.storage_offset(), A.DTYPES.index(str(r.dtype)[6:])]
+                out.append(as_storage(r))
+            else:
+                desc.append(-2)
+                out.append(torch.tensor(r, device=self.device))
+        out.append(torch.tensor(desc, dtype=torch.int64))
+        return tuple(out)
 
     def _store(self, r: Any, spec: list[Any], operands: list[torch.Tensor]) -> torch.Tensor:
         _, size, stride, offset, dtype, nbytes = spec

@@ -58,7 +58,7 @@ class Backend:
             return arr
         if self.kind == "torch":
             import torch
-            return torch.from_numpy(np.array(arr, copy=True)).to(self.device)
+            return torch.tensor(arr, device=self.device)  # one copy, into torch's own (resizable) memory
         return self.xp.asarray(arr, device=self.device)
 
     def to_host(self, x: Any) -> np.ndarray:

@@ -25,6 +25,7 @@ from ._schema import OpInfo, bound, call, info
 from ._storage import StorageRef, dtype_name, live_session, new_tensor, ref_of, set_layout
 
 _OP = m.OP
+_inference_mode = torch.is_inference_mode_enabled
 _cache: dict[Any, _meta.Plan] = {}
 _CACHE_MAX = 1 << 16
 #: Ops handled by ``_transfer`` and friends instead of the generic path (op -> handler).
@@ -146,8 +147,8 @@ def _tensor_entry(v: Any, operands: list[torch.Tensor], scalars: list[Any], key:
         return None
     if isinstance(v, torch.Tensor):
         if v.device.type != "ember":
-            if v.dim() == 0 and v.device.type == "cpu":
-                v = _upload_scalar(v, operands)  # a 0-d CPU tensor mixes with device tensors, as in CUDA
+            if v.device.type == "cpu" and (v.dim() == 0 or name == "indices"):
+                v = _upload_scalar(v, operands)  # 0-d CPU tensors and CPU indices mix in, as on CUDA
             else:
                 raise WrongDevice(
                     f"Expected all tensors to be on the same device, but found at least two devices, ember:0 "
@@ -243,7 +244,12 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
         if kind == _meta.FRESH:
             out.append(new_tensor(o[2], o[3], o[4], o[5], ref=fresh[o[1]]))
         elif kind == _meta.VIEW:
-            out.append(new_tensor(o[2], o[3], o[4], o[5], storage=operands[o[1]].untyped_storage()))
+            base = operands[o[1]]
+            if _inference_mode() and not base.is_inference():
+                with torch.inference_mode(False):  # a view of a normal tensor is a normal tensor, as in torch
+                    out.append(new_tensor(o[2], o[3], o[4], o[5], storage=base.untyped_storage()))
+            else:
+                out.append(new_tensor(o[2], o[3], o[4], o[5], storage=base.untyped_storage()))
         elif kind == _meta.INPUT:
             out.append(operands[o[1]])
         else:

@@ -18,7 +18,7 @@ import torch
 from . import _dispatch as D
 from . import _transfer as T
 from ._schema import bound, info
-from ._storage import StorageRef, layout_of, ref_of
+from ._storage import StorageRef, layout_of, live_session, ref_of, set_layout
 
 aten = torch.ops.aten
 
@@ -38,20 +38,21 @@ def _set(op: Any, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
-def _resize(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    """``resize_`` / ``resize_as_``: relayout here; grow the peer's storage when it needs more bytes."""
-    i = info(op)
+def _resize(op: Any, self: torch.Tensor, size: Any, memory_format: Any = None) -> Any:
+    """``resize_``: relayout here; grow the peer's storage when the new layout needs more bytes."""
     r = ref_of(self)
     old, nbytes = layout_of(self), self.untyped_storage().nbytes()
-    D.meta_call(i, bound(i, (self, *args), kwargs))
-    grown = self.untyped_storage().nbytes()
-    if grown > nbytes:
+    shaped = torch.empty(0, dtype=self.dtype, device="meta").resize_(size, memory_format=memory_format)
+    off = self.storage_offset()
+    need = (off + shaped.numel()) * self.element_size() if shaped.numel() else 0
+    set_layout(self, self.untyped_storage(), off, shaped.shape, shaped.stride())
+    if need > nbytes:
         if r.pending is not None:
-            r.pending = grown
+            r.pending = need
         else:
-            s = D.live_session(r)
-            s.record([D._OP, "aten.resize_.default", [[], r.sid], 1, [],
-                      {"a": [0, list(self.shape), None], "l": [old], "o": []}])
+            fmt = None if memory_format is None else str(memory_format)[6:]
+            live_session(r).record([D._OP, "aten.resize_.default", [[], r.sid], 1, [],
+                                    {"a": [0, list(shaped.shape), fmt], "l": [old], "o": []}])
     return self
 
 
@@ -90,7 +91,8 @@ def _install_ops() -> None:
         if ov is not None:
             S[ov] = _set
     S[aten.resize_.default] = _resize
-    S[aten.resize_as_.default] = lambda op, self, other, **k: _resize(aten.resize_.default, self, other.shape)
+    S[aten.resize_as_.default] = lambda op, self, other, memory_format=None: _resize(
+        op, self, other.shape, memory_format)
     S[aten.is_pinned.default] = lambda op, self, device=None: False
     S[aten._pin_memory.default] = _pin
     S[aten.record_stream.default] = lambda op, *a, **k: None

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..client.device import Device
+from ..protocol import aten as A
 from ..protocol import messages as m
 from . import _dispatch as D
 from ._schema import OpInfo, info
@@ -108,7 +109,7 @@ def local_scalar(op: Any, t: torch.Tensor) -> Any:
 
 def run_dynamic(i: OpInfo, operands: list[torch.Tensor], scalars: list[Any], template: list[Any],
                 layouts: list[Any], values: list[Any]) -> Any:
-    """An op whose output shapes depend on data: run it, ask each output's shape (one round trip each)."""
+    """An op whose output shapes depend on data: run it, then read its outputs' layouts (one round trip)."""
     if any(t == "List[Tensor]" for t in i.returns):
         raise NotImplementedError(f"{i.name}: a data-dependent list of outputs is not supported on ember tensors")
     refs = [ref_of(t) for t in operands]
@@ -119,24 +120,32 @@ def run_dynamic(i: OpInfo, operands: list[torch.Tensor], scalars: list[Any], tem
     for r in refs:
         if r.pending is not None:
             D.materialize(r)
-    outs = [next(s.ids) for _ in i.returns]
+    outs = [next(s.ids) for _ in range(len(i.returns) + 1)]
     s.record([_OP, i.name, [scalars, *[r.sid for r in refs]], 1, outs, {"a": template, "l": layouts, "o": None}])
+    desc = _value(s, outs[-1]).reshape(-1).tolist()
     results: list[Any] = []
+    k = 0
     for rtype, tid in zip(i.returns, outs):
-        if rtype == "Tensor":
-            shape, dt = s.request(m.SHAPE, tid)
-            sid = next(s.ids)
-            s.record([_OP, "torch.storage_of", [tid], 0, [sid], None])
+        n = desc[k]
+        k += 1
+        if n == -1:
             s.release(tid)
-            dtype = _DTYPES[dt]
-            stride = _contiguous(shape)
-            results.append(new_tensor(dtype, shape, stride, 0, ref=StorageRef(sid, s, dev)))
-        else:
-            _dt, _shape, _off, data, _total = s.request(m.READ, tid)
-            s.release(tid)
-            v = np.frombuffer(bytes(data), dtype=np.dtype(_dt)).reshape(()).item()
+            results.append(None)
+        elif n == -2:
+            v = _value(s, tid).reshape(()).item()
             results.append(bool(v) if rtype == "bool" else int(v) if rtype == "int" else v)
+        else:
+            size, stride, off, dt = desc[k:k + n], desc[k + n:k + 2 * n], desc[k + 2 * n], desc[k + 2 * n + 1]
+            k += 2 * n + 2
+            results.append(new_tensor(_DTYPES[A.DTYPES[dt]], size, stride, off, ref=StorageRef(tid, s, dev)))
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _value(s: Any, tid: int) -> np.ndarray:
+    """Read a value the peer stored under ``tid`` (then drop it)."""
+    dt, shape, _off, data, _total = s.request(m.READ, tid)
+    s.release(tid)
+    return np.frombuffer(bytes(data), dtype=np.dtype(dt)).reshape(shape)
 
 
 def _contiguous(shape: list[int]) -> list[int]:
