@@ -207,7 +207,7 @@ class AtenKernel:
                             before.append((t, t.untyped_storage().nbytes()))
                         vals.append(t)
                     elif x == 1 and type(x) is int:
-                        vals.append(_scalar(scalars[si]))
+                        vals.append(self._scalar_at(scalars, si))
                         si += 1
                     else:
                         raise ValueError(f"argument {name} of {self.name}: bad tensor entry {str(x)[:40]}")
@@ -216,7 +216,7 @@ class AtenKernel:
                 if e is None:
                     v = None
                 elif e == 1 and type(e) is int:
-                    v = _scalar(scalars[si])
+                    v = self._scalar_at(scalars, si)
                     si += 1
                 else:
                     raise ValueError(f"argument {name} of {self.name}: bad scalar entry {str(e)[:40]}")
@@ -268,6 +268,12 @@ class AtenKernel:
         if "pin_memory" in kwargs:
             kwargs["pin_memory"] = None
         return args, kwargs, before
+
+    def _scalar_at(self, scalars: list[Any], k: int) -> Any:
+        if k >= len(scalars):
+            raise ValueError(f"malformed ATen call of {self.name}: {len(scalars)} scalars sent, the template "
+                             f"uses more")
+        return _scalar(scalars[k])
 
     def _zero_growth(self, t: torch.Tensor, nbytes: int) -> None:
         """A written storage grew (resize_, out=): never let the client see uninitialised memory."""
