@@ -27,7 +27,8 @@ from ._device import UnsupportedTorch, register
 
 register()
 
-from ._dispatch import NotATorchDevice, WrongDevice, counters, current_device  # noqa: E402
+from ._devices import NotATorchDevice, WrongDevice, current_device  # noqa: E402
+from ._dispatch import counters  # noqa: E402
 from ._transfer import device_of, from_array, to_array, to_device  # noqa: E402
 
 __all__ = ["to_device", "device_of", "from_array", "to_array", "current_device", "counters", "NotATorchDevice",

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import EmberError
+from . import _devices as Dv
 from . import _dispatch as D
 
 TESTED = "2.13"
@@ -71,16 +72,16 @@ class EmberModule:
 
     @staticmethod
     def manual_seed(seed: int) -> None:
-        D.manual_seed_all(seed)
+        Dv.manual_seed_all(seed)
 
     @staticmethod
     def manual_seed_all(seed: int) -> None:
-        D.manual_seed_all(seed)
+        Dv.manual_seed_all(seed)
 
     @staticmethod
     def synchronize(device: Any = None) -> None:
         """Wait until every op recorded on the current Ember device has run."""
-        D.current_device().sync()
+        Dv.current_device().sync()
 
     @staticmethod
     def get_amp_supported_dtype() -> list[torch.dtype]:

@@ -11,17 +11,17 @@ the peer unless torch needs a value (see ``_transfer``).
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable
 
 import torch
 
 from ..client.device import Device
-from ..errors import EmberError
 from ..protocol import aten as A
 from ..protocol import messages as m
 from . import _meta
 from ._schema import OpInfo, bound, call, info
+from ._transfer import run_dynamic, upload
+from ._devices import WrongDevice, apply_seed, current_device, device_of, materialize
 from ._storage import StorageRef, dtype_name, live_session, new_tensor, ref_of, set_layout
 
 _OP = m.OP
@@ -30,43 +30,7 @@ _cache: dict[Any, _meta.Plan] = {}
 _CACHE_MAX = 1 << 16
 #: Ops handled by ``_transfer`` and friends instead of the generic path (op -> handler).
 SPECIAL: dict[Any, Callable[..., Any]] = {}
-#: Per-session state of the frontend: the seed generation it has applied.
-_seeded: "dict[int, int]" = {}
-SEED = [0, 0]  # [value, generation]; generation 0: never seeded by the user
-_lock = threading.Lock()
 counters = {"ops": 0, "messages": 0, "cache_misses": 0}
-
-
-class NotATorchDevice(EmberError, RuntimeError):
-    """ATen ops were asked of an Ember device whose backend is not torch."""
-
-
-class WrongDevice(EmberError, RuntimeError):
-    """One op mixed tensors of two Ember devices, or an ember tensor with a CPU tensor."""
-
-
-def current_device() -> Device:
-    """The Ember device factory ops (``torch.zeros(..., device="ember")``) run on."""
-    from ..client.device import chosen_device, connect
-    dev = chosen_device()
-    if dev is None:
-        with _lock:
-            dev = _embedded[0] if _embedded else None
-            if dev is None:
-                dev = connect("local:torch")
-                _embedded.append(dev)
-    return dev
-
-
-_embedded: list[Device] = []
-
-
-def check_torch(dev: Device) -> None:
-    kind = dev.info.get("backend")
-    if kind != "torch":
-        raise NotATorchDevice(
-            f"ember tensors need a torch device, and {dev!r} is a {kind} device ({dev.info.get('spec')})",
-            hint="serve one with `ember serve --device torch:cpu` (or torch:cuda:N) and ember.connect to it")
 
 
 def _walk(i: OpInfo, values: list[Any]) -> tuple[list[Any], list[torch.Tensor], list[Any], list[Any], list[Any]]:
@@ -187,7 +151,6 @@ def _wire_scalar(v: Any) -> Any:
 
 
 def _upload_scalar(v: torch.Tensor, operands: list[torch.Tensor]) -> torch.Tensor:
-    from ._transfer import upload
     dev = ref_of(operands[0]).device if operands else current_device()
     return upload(v, dev)
 
@@ -214,7 +177,6 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             plan = _meta.infer(i, values, operands, template, layouts)
         except _meta.DataDependent:
-            from ._transfer import run_dynamic
             return run_dynamic(i, operands, scalars, template, layouts, values)
         counters["cache_misses"] += 1
         if len(_cache) >= _CACHE_MAX:
@@ -261,39 +223,6 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
     return out if plan.ret == "list" else tuple(out)
 
 
-def device_of(refs: list[StorageRef], i: OpInfo) -> Device:
-    if not refs:
-        dev = current_device()
-        check_torch(dev)
-        return dev
-    dev = refs[0].device
-    for r in refs:
-        if r.device is not dev:
-            raise WrongDevice(f"{i.name} mixes tensors of two Ember devices, {dev!r} and {r.device!r}",
-                              hint="move one with ember.torch.to_device(t, device)")
-    return dev
-
-
-def materialize(r: StorageRef) -> None:
-    """Allocate a pending storage on its peer (zeroed) before its first use."""
-    n, r.pending = r.pending, None
-    live_session(r).record([_OP, "torch.alloc", [], 0, [r.sid], {"n": n}])
-
-
-def apply_seed(s: Any) -> None:
-    """Before a random op: reseed the session's generator if torch.manual_seed ran since it last was."""
-    value, gen = SEED
-    if gen and _seeded.get(id(s)) != gen:
-        _seeded[id(s)] = gen
-        s.record([_OP, "torch.seed", [value], 1, [], None])
-
-
-def manual_seed_all(seed: int) -> None:
-    """``torch.manual_seed`` reaches every Ember peer: their generators restart from ``seed``."""
-    SEED[0] = int(seed) & ((1 << 64) - 1)
-    SEED[1] += 1
-
-
 def meta_call(i: OpInfo, values: list[Any]) -> Any:
     """Run an overload's meta kernel directly on ember tensors (metadata-only ops: set_, t_...)."""
     torch._C._set_meta_in_tls_dispatch_include(True)
@@ -303,5 +232,4 @@ def meta_call(i: OpInfo, values: list[Any]) -> Any:
         torch._C._set_meta_in_tls_dispatch_include(False)
 
 
-__all__ = ["kernel", "kernel_generic", "device_of", "apply_seed", "SPECIAL", "current_device", "check_torch", "materialize", "manual_seed_all",
-           "NotATorchDevice", "WrongDevice", "counters"]
+__all__ = ["kernel", "kernel_generic", "meta_call", "SPECIAL", "counters"]

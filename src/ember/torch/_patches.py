@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from . import _devices as Dv
 from . import _dispatch as D
 from . import _transfer as T
 from ._schema import bound, info
@@ -29,11 +30,11 @@ def _set(op: Any, *args: Any, **kwargs: Any) -> Any:
     values = bound(i, args, kwargs)
     for v in values[1:]:
         if isinstance(v, (torch.Tensor, torch.UntypedStorage)) and v.device.type != "ember":
-            raise D.WrongDevice(f"{i.name}: cannot point an ember tensor at {v.device} memory")
+            raise Dv.WrongDevice(f"{i.name}: cannot point an ember tensor at {v.device} memory")
     out = D.meta_call(i, values)
     st = values[0].untyped_storage()
     if getattr(st, "_ember", None) is None:  # set_() with no source: a fresh, empty storage
-        dev = D.current_device()
+        dev = Dv.current_device()
         st._ember = StorageRef(next(dev.session.ids), dev.session, dev, pending=st.nbytes())
     return out
 
@@ -66,7 +67,7 @@ def _peer_decides(op: Any, *args: Any, **kwargs: Any) -> Any:
     i = info(op)
     values = bound(i, args, kwargs)
     template, operands, scalars, key, layouts = D._walk(i, values)
-    dev = D.device_of([ref_of(t) for t in operands], i)
+    dev = Dv.device_of([ref_of(t) for t in operands], i)
     k = (op, id(dev), *key)
     v = _choices.get(k)
     if v is None:
@@ -78,12 +79,32 @@ def _pin(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("cannot pin an ember tensor: only dense CPU tensors can be pinned")
 
 
+def _copy(op: Any, dst: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
+    """``aten.copy_`` and ``aten._copy_from``: between ember and CPU tensors, or two Ember devices."""
+    if op is torch.ops.aten._copy_from.default:  # _copy_from(self=src, dst)
+        src, dst = dst, src
+    if not isinstance(src, torch.Tensor):
+        return D.kernel_generic(torch.ops.aten.copy_.default, dst, src, non_blocking)
+    d_ember, s_ember = dst.device.type == "ember", src.device.type == "ember"
+    if d_ember and not s_ember:
+        if src.dim() == 0 and src.device.type == "cpu":
+            return D.kernel_generic(torch.ops.aten.copy_.default, dst, T.upload(src, ref_of(dst).device))
+        if src.device.type != "cpu":
+            src = src.cpu()
+        return T.copy_from_host(src, dst)
+    if s_ember and not d_ember:
+        return dst.copy_(T.read(src), non_blocking=non_blocking)
+    if ref_of(src).device is not ref_of(dst).device:
+        src = T.to_device(src, ref_of(dst).device)
+    return D.kernel_generic(torch.ops.aten.copy_.default, dst, src, non_blocking)
+
+
 def _install_ops() -> None:
     S = D.SPECIAL
     for op in (aten.copy_.default, aten._copy_from.default):
-        S[op] = T.copy_
+        S[op] = _copy
     S[aten._copy_from_and_resize.default] = lambda op, src, dst: (
-        dst.resize_(src.shape), T.copy_(aten.copy_.default, dst, src))[1]
+        dst.resize_(src.shape), _copy(aten.copy_.default, dst, src))[1]
     S[aten._local_scalar_dense.default] = T.local_scalar
     for name in ("default", "source_Storage", "source_Storage_storage_offset", "source_Tensor",
                  "source_Tensor_storage_offset"):
@@ -145,7 +166,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = No
     if attn_mask is not None and attn_mask.dtype == torch.bool:  # as torch's convert_boolean_attn_mask
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
             attn_mask.logical_not(), float("-inf"))
-    if choice == _FLASH and D.device_of([ref_of(q)], info(aten._fused_sdp_choice.default)).info.get(
+    if choice == _FLASH and Dv.device_of([ref_of(q)], info(aten._fused_sdp_choice.default)).info.get(
             "spec", "").startswith("torch:cpu"):
         return aten._scaled_dot_product_flash_attention_for_cpu.default(
             q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]

@@ -16,7 +16,7 @@ import torch
 from ..client.device import Device
 from ..protocol import aten as A
 from ..protocol import messages as m
-from . import _dispatch as D
+from . import _devices as D
 from ._schema import OpInfo, info
 from ._storage import StorageRef, dtype_name, live_session, new_tensor, ref_of
 
@@ -80,26 +80,6 @@ def read(t: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
     typed = flat.view(t.dtype) if len(buf) else torch.empty(0, dtype=t.dtype)
     out = torch.as_strided(typed, src.shape, src.stride(), src.storage_offset())
     return out if src is not t or _covers_storage(t) else out.clone()
-
-
-def copy_(op: Any, dst: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
-    """``aten.copy_`` and ``aten._copy_from``: between ember and CPU tensors, or two Ember devices."""
-    if op is torch.ops.aten._copy_from.default:  # _copy_from(self=src, dst)
-        src, dst = dst, src
-    if not isinstance(src, torch.Tensor):
-        return D.kernel_generic(torch.ops.aten.copy_.default, dst, src, non_blocking)
-    d_ember, s_ember = dst.device.type == "ember", src.device.type == "ember"
-    if d_ember and not s_ember:
-        if src.dim() == 0 and src.device.type == "cpu":
-            return D.kernel_generic(torch.ops.aten.copy_.default, dst, upload(src, ref_of(dst).device))
-        if src.device.type != "cpu":
-            src = src.cpu()
-        return copy_from_host(src, dst)
-    if s_ember and not d_ember:
-        return dst.copy_(read(src), non_blocking=non_blocking)
-    if ref_of(src).device is not ref_of(dst).device:
-        src = to_device(src, ref_of(dst).device)
-    return D.kernel_generic(torch.ops.aten.copy_.default, dst, src, non_blocking)
 
 
 def local_scalar(op: Any, t: torch.Tensor) -> Any:
@@ -231,5 +211,5 @@ def device_of(t: torch.Tensor) -> Device:
     return ref_of(t).device
 
 
-__all__ = ["upload", "read", "copy_", "local_scalar", "run_dynamic", "to_array", "from_array", "to_device",
+__all__ = ["upload", "read", "copy_from_host", "local_scalar", "run_dynamic", "to_array", "from_array", "to_device",
            "device_of", "info"]

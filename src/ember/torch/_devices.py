@@ -1,0 +1,90 @@
+"""Which Ember device and session an ATen call runs on, and the state the frontend keeps per session.
+
+``"ember"`` tensors made by factory ops live on the current Ember device (the innermost
+``with dev:``, else ``ember.set_default_device``, else the embedded ``"local:torch"`` peer);
+every other op runs where its operands' storages live, all on one device. ``torch.manual_seed``
+reaches each peer lazily: before a session's next random op, its generator is reseeded.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ..client.device import Device
+from ..errors import EmberError
+from ..protocol import messages as m
+from ._schema import OpInfo
+from ._storage import StorageRef, live_session
+
+_OP = m.OP
+_lock = threading.Lock()
+_embedded: list[Device] = []
+_seeded: dict[int, int] = {}  # id(session) -> the seed generation it has applied
+SEED = [0, 0]  # [value, generation]; generation 0: never seeded by the user
+
+
+class NotATorchDevice(EmberError, RuntimeError):
+    """ATen ops were asked of an Ember device whose backend is not torch."""
+
+
+class WrongDevice(EmberError, RuntimeError):
+    """One op mixed tensors of two Ember devices, or an ember tensor with a CPU tensor."""
+
+
+def current_device() -> Device:
+    """The Ember device factory ops (``torch.zeros(..., device="ember")``) run on."""
+    from ..client.device import chosen_device, connect
+    dev = chosen_device()
+    if dev is None:
+        with _lock:
+            if not _embedded:
+                _embedded.append(connect("local:torch"))
+            dev = _embedded[0]
+    return dev
+
+
+
+def check_torch(dev: Device) -> None:
+    kind = dev.info.get("backend")
+    if kind != "torch":
+        raise NotATorchDevice(
+            f"ember tensors need a torch device, and {dev!r} is a {kind} device ({dev.info.get('spec')})",
+            hint="serve one with `ember serve --device torch:cpu` (or torch:cuda:N) and ember.connect to it")
+
+
+def device_of(refs: list[StorageRef], i: OpInfo) -> Device:
+    if not refs:
+        dev = current_device()
+        check_torch(dev)
+        return dev
+    dev = refs[0].device
+    for r in refs:
+        if r.device is not dev:
+            raise WrongDevice(f"{i.name} mixes tensors of two Ember devices, {dev!r} and {r.device!r}",
+                              hint="move one with ember.torch.to_device(t, device)")
+    return dev
+
+
+def materialize(r: StorageRef) -> None:
+    """Allocate a pending storage on its peer (zeroed) before its first use."""
+    n, r.pending = r.pending, None
+    live_session(r).record([_OP, "torch.alloc", [], 0, [r.sid], {"n": n}])
+
+
+def apply_seed(s: Any) -> None:
+    """Before a random op: reseed the session's generator if torch.manual_seed ran since it last was."""
+    value, gen = SEED
+    if gen and _seeded.get(id(s)) != gen:
+        _seeded[id(s)] = gen
+        s.record([_OP, "torch.seed", [value], 1, [], None])
+
+
+def manual_seed_all(seed: int) -> None:
+    """``torch.manual_seed`` reaches every Ember peer: their generators restart from ``seed``."""
+    SEED[0] = int(seed) & ((1 << 64) - 1)
+    SEED[1] += 1
+
+
+__all__ = ["current_device", "check_torch", "device_of", "materialize", "apply_seed", "manual_seed_all",
+           "NotATorchDevice", "WrongDevice", "SEED"]

@@ -1,0 +1,110 @@
+"""ember.torch across Ember devices, with ember.array_api, and under graph caching."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ember  # noqa: E402
+import ember.array_api as xp  # noqa: E402
+import ember.torch  # noqa: E402
+from ember.server import Server  # noqa: E402
+from ember.torch import workloads as W  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def two_peers() -> Iterator[list[Server]]:
+    """Two peers over WebSocket; the first hosts two torch devices."""
+    a, b = Server(["torch:cpu", "torch:cpu"]), Server(["torch:cpu"])
+    for s in (a, b):
+        s.listen_websocket("127.0.0.1", 0)
+        s.start_in_thread()
+    yield [a, b]
+    for s in (a, b):
+        s.close()
+
+
+def test_tensors_remember_their_ember_device_and_mixing_two_raises(two_peers: list[Server]) -> None:
+    d0 = ember.connect(two_peers[0].addresses[0], device=0)
+    d1 = ember.connect(two_peers[1].addresses[0])
+    with d0:
+        x = torch.ones(3, device="ember")
+    with d1:
+        y = torch.ones(3, device="ember")
+    assert ember.torch.device_of(x) is d0 and ember.torch.device_of(y) is d1
+    assert x.device == y.device == torch.device("ember:0")  # torch sees one device
+    with pytest.raises(ember.torch.WrongDevice, match=r"two Ember devices.*ws://.*ws://"):
+        x + y
+    for d in (d0, d1):
+        d.close()
+
+
+@pytest.mark.parametrize("route", ["same-peer", "peer-to-peer", "via-client", "embedded"])
+def test_to_device_moves_values_and_gradients(two_peers: list[Server], route: str) -> None:
+    a = ember.connect(two_peers[0].addresses[0], device=0)
+    if route == "same-peer":
+        b = ember.connect(two_peers[0].addresses[0], device=1)
+    elif route == "embedded":
+        b = ember.torch.current_device()  # the embedded torch:cpu peer: through the client
+    else:
+        b = ember.connect(two_peers[1].addresses[0])
+    opts = {"via_client": True} if route == "via-client" else {}
+    with a:
+        w = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3).to("ember"))
+        h = (w * 2).t()  # a non-contiguous view moves as its values
+    moved = ember.torch.to_device(h, b, **opts)
+    assert ember.torch.device_of(moved) is b
+    assert torch.equal(moved.cpu(), (torch.arange(6.0).reshape(2, 3) * 2).t())
+    with b:
+        loss = (moved * torch.arange(2.0).to("ember")).sum()
+    loss.backward()  # the gradient comes back to w's device
+    assert ember.torch.device_of(w.grad) is a
+    assert torch.equal(w.grad.cpu(), torch.tensor([[0.0, 0.0, 0.0], [2.0, 2.0, 2.0]]))
+    for d in {a, b} - {ember.torch.current_device()}:
+        d.close()
+
+
+def test_array_api_interop_without_moving_data(two_peers: list[Server]) -> None:
+    d = ember.connect(two_peers[1].addresses[0])
+    a = xp.asarray(np.arange(12, dtype=np.float32).reshape(3, 4), device=d)
+    sent = d.session.stats["bytes_sent"]
+    reads = d.session.stats["reads"]
+    t = ember.torch.from_array(a)
+    t2 = (t * 2).t().contiguous()
+    back = ember.torch.to_array(t2)
+    assert back.shape == (4, 3) and back.dtype == xp.float32
+    assert d.session.stats["reads"] == reads and d.session.stats["bytes_sent"] - sent < 1024  # no data moved
+    assert np.array_equal(np.asarray(xp.sum(back, axis=0)), (np.arange(12).reshape(3, 4) * 2).sum(axis=1))
+    assert torch.equal(t.cpu(), torch.arange(12.0).reshape(3, 4))
+    d.close()
+
+
+def test_a_repeated_training_step_is_replayed_from_the_graph_cache(two_peers: list[Server]) -> None:
+    d = ember.connect(two_peers[1].addresses[0])
+    s = d.session
+    with d:
+        torch.manual_seed(0)
+        model = W.MLP().to("ember")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        x, y = W.classification_batch(g, 32, (8,), 4)
+        x, y = x.to("ember"), y.to("ember")  # the same batch: the step's ops are all there is on the wire
+        per_step = []
+        for _ in range(8):
+            before = s.stats["bytes_sent"]
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            loss.item()
+            per_step.append(s.stats["bytes_sent"] - before)
+    assert s.stats["replays"] >= 5
+    first, replayed = per_step[0], max(per_step[-3:])
+    assert first >= 10 * replayed, f"wire bytes per step: {per_step}"
+    d.close()
