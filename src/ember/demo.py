@@ -66,3 +66,62 @@ def run(address: str | None = None, *, steps: int = 300, n: int = 512, k: int = 
     finally:
         if server is not None:
             server.close()
+
+
+def run_torch(address: str | None = None, *, steps: int = 200, out: Any = print) -> bool:
+    """``ember demo --torch``: train an MLP classifier on a torch peer, unchanged PyTorch code, and check
+    every loss against the same loop on local CPU torch. ``address``: a peer serving ``--device torch:cpu``
+    (default: the embedded in-process torch:cpu peer)."""
+    import torch
+
+    import ember
+    import ember.torch
+    from ember.torch import workloads as W
+
+    dev = ember.connect(address) if address else ember.torch.current_device()
+    out(f"ember demo --torch: training on {dev.address} device {dev.index} ({dev.info['name']})")
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.randn(16, 4, generator=g)
+    data = torch.randn(4096, 16, generator=g)
+    labels = (data @ teacher).argmax(1)
+    loader_g = torch.Generator().manual_seed(1)
+
+    def batches(gen: torch.Generator) -> Any:
+        idx = torch.randint(0, len(data), (64,), generator=loader_g)
+        return data[idx], labels[idx]
+
+    kw = dict(model=lambda: W.MLP(16, 64, 4), steps=steps, opt="AdamW", opt_args={"lr": 3e-3}, batch=batches,
+              read_every=20)
+    with dev:  # warm up both sides (first-call costs: kernels, the meta cache, the graph cache)
+        for device in ("cpu", "ember"):
+            W.train(device=device, **{**kw, "steps": 5, "read_every": 5})
+    loader_g.manual_seed(1)
+    t0 = time.perf_counter()
+    local_losses, _ = W.train(device="cpu", **kw)
+    t_local = time.perf_counter() - t0
+    loader_g.manual_seed(1)
+    s = dev.session
+    before = dict(s.stats)
+    ops0 = ember.torch.counters["ops"]
+    t0 = time.perf_counter()
+    with dev:
+        remote_losses, params = W.train(device="ember", **kw)
+    t_remote = time.perf_counter() - t0
+    st = {k: s.stats[k] - before.get(k, 0) for k in s.stats}
+    aten_ops = ember.torch.counters["ops"] - ops0
+    with torch.no_grad():
+        w1, b1, w2, b2 = params
+        acc = float(((torch.relu(data @ w1.T + b1) @ w2.T + b2).argmax(1) == labels).float().mean())
+    for k, (a, b) in enumerate(zip(local_losses, remote_losses)):
+        out(f"  step {20 * (k + 1):4d}  loss {b:.6f}  (local CPU torch {a:.6f})")
+    out(f"  steps/s        {steps / t_remote:.0f} remote, {steps / t_local:.0f} local CPU torch")
+    out(f"  per step       {aten_ops / steps:.0f} ATen ops, {st['ops'] / steps:.1f} messages, "
+        f"{st['bytes_sent'] / steps:.0f} bytes sent, {st['bytes_received'] / steps:.0f} bytes received")
+    out(f"  graph cache    {st['replays']} replayed steps of {st['replayed_ops'] // max(st['replays'], 1)} ops")
+    out(f"  accuracy       {acc:.3f} on the training set")
+    ok = local_losses == remote_losses
+    out("ember demo --torch: OK, every loss equals local CPU torch's" if ok else
+        "ember demo --torch: MISMATCH against local CPU torch")
+    if address:
+        dev.close()
+    return ok

@@ -60,8 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
 
     d = sub.add_parser("demo", help="run a small workload on a loopback peer and check it against NumPy")
-    d.add_argument("--address", default=None, help="use this peer instead of starting one")
-    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("--address", "--peer", dest="address", default=None,
+                   help="use this peer instead of starting one (with --torch: one serving --device torch:cpu)")
+    d.add_argument("--steps", type=int, default=None, help="gradient steps (default 300; 200 with --torch)")
+    d.add_argument("--torch", action="store_true",
+                   help="train a PyTorch MLP through ember.torch and compare it with local CPU torch")
     d.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
 
     from ..bench import build_parser as bench_options
@@ -86,8 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .identity import doctor
             return doctor(args)
         if args.command == "demo":
-            from ..demo import run
-            return 0 if run(args.address, steps=args.steps) else 1
+            from ..demo import run, run_torch
+            if args.torch:
+                return 0 if run_torch(args.address, steps=args.steps or 200) else 1
+            return 0 if run(args.address, steps=args.steps or 300) else 1
         if args.command == "bench":
             from ..bench import run_args
             run_args(args)

@@ -108,6 +108,8 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
             continue
         nbytes = max(r.untyped_storage().nbytes(), A.layout_extent(
             [list(r.shape), list(r.stride()), r.storage_offset(), dtype_name(r.dtype)], _ITEMSIZE))
+        if nbytes > A.INT64[1]:
+            raise RuntimeError(f"{i.name}: a tensor of {nbytes} bytes is too large for any device")
         plan.outputs.append((FRESH, plan.n_fresh, r.dtype, tuple(r.shape), tuple(r.stride()), r.storage_offset()))
         plan.fresh_nbytes.append(nbytes)
         specs.append([pos, list(r.shape), list(r.stride()), r.storage_offset(), dtype_name(r.dtype), nbytes])
