@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..client.device import Device
+from ..client.progress import choose
 from ..protocol import aten as A
 from ..protocol import messages as m
 from . import _devices as D
@@ -38,7 +39,7 @@ def upload(src: torch.Tensor, dev: Device) -> torch.Tensor:
     D.check_torch(dev)
     host = src.detach().resolve_conj().resolve_neg().contiguous()
     s = dev.session
-    sid = s.upload(_bytes_of(host))
+    sid = s.upload(_bytes_of(host), choose(None, host.numel() * host.element_size()))
     return new_tensor(host.dtype, host.shape, host.stride(), 0, ref=StorageRef(sid, s, dev))
 
 
@@ -53,7 +54,7 @@ def copy_from_host(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     r = ref_of(dst)
     s = live_session(r)
     if _covers_storage(dst):
-        new = StorageRef(s.upload(_bytes_of(host)), s, r.device)
+        new = StorageRef(s.upload(_bytes_of(host), choose(None, host.numel() * host.element_size())), s, r.device)
         dst.untyped_storage()._ember = new  # the old id (if it ever existed) is dropped with its ref
         return dst
     tmp = upload(host, r.device)
@@ -73,11 +74,16 @@ def read(t: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
         src = torch.ops.aten.clone.default(t, memory_format=torch.contiguous_format)
         r = ref_of(src)
     s = live_session(r)
-    _dt, _shape, _off, data, _total = s.request(m.READ, r.sid, timeout=timeout)
+    nbytes = src.untyped_storage().nbytes()
+    _dt, _shape, _off, data, _total = s.request(m.READ, r.sid, timeout=timeout, progress=choose(None, nbytes),
+                                                nbytes=nbytes)
     s.stats["reads"] += 1
-    buf = data if isinstance(data, bytearray) else bytearray(data)
-    flat = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
-    typed = flat.view(t.dtype) if len(buf) else torch.empty(0, dtype=t.dtype)
+    if isinstance(data, np.ndarray):  # assembled in place from data frames
+        flat = torch.from_numpy(data.reshape(-1).view(np.uint8))
+    else:
+        flat = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8) \
+            if len(data) else torch.empty(0, dtype=torch.uint8)
+    typed = flat.view(t.dtype) if flat.numel() else torch.empty(0, dtype=t.dtype)
     out = torch.as_strided(typed, src.shape, src.stride(), src.storage_offset())
     return out if src is not t or _covers_storage(t) else out.clone()
 
