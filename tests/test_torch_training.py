@@ -147,3 +147,18 @@ def test_dataloader_with_pin_memory_is_tolerated() -> None:
             loss.backward()
             seen += 1
     assert seen == 2 and isinstance(loss.item(), float)
+
+
+@pytest.mark.timeout(180)
+def test_ember_demo_torch_runs_and_matches_local_torch() -> None:
+    r = subprocess.run([sys.executable, "-m", "ember.cli", "demo", "--torch", "--steps", "60"], capture_output=True,
+                       text=True, timeout=170)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "every loss equals local CPU torch's" in r.stdout and "steps/s" in r.stdout and "ATen ops" in r.stdout
+
+
+def test_an_unsupported_torch_fails_at_import_with_the_versions_that_work() -> None:
+    code = ("import torch; del torch._C._acc\n"
+            "try:\n    import ember.torch\nexcept ImportError as e:\n    print(type(e).__name__, e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "UnsupportedTorch" in r.stdout and "tested with torch 2.13" in r.stdout, r.stdout + r.stderr

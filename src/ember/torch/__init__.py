@@ -23,7 +23,11 @@ reseeds the peers too), sparse/quantized/nested tensors, ``ember:1`` (one torch 
 
 from __future__ import annotations
 
-from ._device import UnsupportedTorch, register
+from ._compat import UnsupportedTorch, check_torch
+
+check_torch()  # before anything that touches torch's Python device API
+
+from ._device import register  # noqa: E402
 
 register()
 

@@ -21,29 +21,13 @@ from typing import Any
 import torch
 
 from ..errors import EmberError
+
 from . import _devices as Dv
 from . import _dispatch as D
 
-TESTED = "2.13"
 _registered = False
 _lock = threading.Lock()
 _libs: list[Any] = []  # torch.library registrations live as long as these objects
-
-
-class UnsupportedTorch(EmberError, ImportError):
-    """This torch lacks the pure-Python device API ember.torch is built on."""
-
-
-def _check_torch() -> None:
-    acc = getattr(torch._C, "_acc", None)
-    need = ("create_empty_tensor", "register_python_privateuseone_hook", "register_python_privateuseone_device_guard")
-    from torch.utils import backend_registration as br
-    if acc is None or not all(hasattr(acc, n) for n in need) or \
-            not hasattr(br, "_setup_privateuseone_for_python_backend"):
-        raise UnsupportedTorch(
-            f"ember.torch needs torch's Python device API (torch._C._acc), which torch {torch.__version__} "
-            f"lacks; it is tested with torch {TESTED}",
-            hint=f"pip install 'ember[torch]' (torch {TESTED})")
 
 
 class EmberModule:
@@ -138,7 +122,6 @@ def register() -> None:
     with _lock:
         if _registered:
             return
-        _check_torch()
         current = torch._C._get_privateuse1_backend_name()
         if current not in ("privateuseone", "ember"):
             raise EmberError(f"torch's PrivateUse1 device slot is already taken by {current!r}",
@@ -161,4 +144,4 @@ def register() -> None:
         _registered = True
 
 
-__all__ = ["register", "UnsupportedTorch", "EmberModule"]
+__all__ = ["register", "EmberModule"]
