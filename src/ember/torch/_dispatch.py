@@ -22,7 +22,7 @@ from . import _meta
 from ._schema import OpInfo, bound, call, info
 from ._transfer import run_dynamic, upload
 from ._devices import WrongDevice, apply_seed, current_device, device_of, materialize
-from ._storage import StorageRef, dtype_name, live_session, new_tensor, ref_of, set_layout
+from ._storage import StorageRef, dtype_name, live_session, new_tensor, set_layout
 
 _OP = m.OP
 _inference_mode = torch.is_inference_mode_enabled
@@ -33,22 +33,24 @@ SPECIAL: dict[Any, Callable[..., Any]] = {}
 counters = {"ops": 0, "messages": 0, "cache_misses": 0}
 
 
-def _walk(i: OpInfo, values: list[Any]) -> tuple[list[Any], list[torch.Tensor], list[Any], list[Any], list[Any]]:
-    """(template, operands, scalars, key parts, layouts) of one call."""
+def _walk(i: OpInfo, values: list[Any]) -> tuple[list[Any], list[torch.Tensor], list[StorageRef], list[Any],
+                                                 list[Any]]:
+    """(template, operands, their storages, scalars, key parts) of one call."""
     template: list[Any] = []
     operands: list[torch.Tensor] = []
+    refs: list[StorageRef] = []
     scalars: list[Any] = []
     key: list[Any] = []
-    storages: list[int] = []
+    distinct: list[StorageRef] = []
     for (name, cat, _kw, _d), v in zip(i.args, values):
         if cat == A.TENSOR:
-            template.append(_tensor_entry(v, operands, scalars, key, storages, name, i))
+            template.append(_tensor_entry(v, operands, refs, distinct, scalars, key, name, i))
         elif cat == A.TENSOR_LIST:
             if v is None:
                 template.append(None)
                 key.append(None)
             else:
-                template.append([_tensor_entry(x, operands, scalars, key, storages, name, i) for x in v])
+                template.append([_tensor_entry(x, operands, refs, distinct, scalars, key, name, i) for x in v])
                 key.append(len(v))
         elif cat == A.SCALAR:
             if v is None:
@@ -100,31 +102,39 @@ def _walk(i: OpInfo, values: list[Any]) -> tuple[list[Any], list[torch.Tensor], 
             template.append(None)
         else:
             raise NotImplementedError(i.refused or f"{i.name}: unsupported argument {name}")
-    layouts = [[list(t.shape), list(t.stride()), t.storage_offset(), dtype_name(t.dtype)] for t in operands]
-    return template, operands, scalars, key, layouts
+    return template, operands, refs, scalars, key
 
 
-def _tensor_entry(v: Any, operands: list[torch.Tensor], scalars: list[Any], key: list[Any], storages: list[int],
-                  name: str, i: OpInfo) -> Any:
+def layouts_of(operands: list[torch.Tensor]) -> list[list[Any]]:
+    return [[list(t.shape), list(t.stride()), t.storage_offset(), dtype_name(t.dtype)] for t in operands]
+
+
+def _tensor_entry(v: Any, operands: list[torch.Tensor], refs: list[StorageRef], distinct: list[StorageRef],
+                  scalars: list[Any], key: list[Any], name: str, i: OpInfo) -> Any:
     if v is None:
         key.append(None)
         return None
     if isinstance(v, torch.Tensor):
-        if v.device.type != "ember":
+        r = getattr(v.untyped_storage(), "_ember", None)
+        if r is None:
             if v.device.type == "cpu" and (v.dim() == 0 or name == "indices"):
-                v = _upload_scalar(v, operands)  # 0-d CPU tensors and CPU indices mix in, as on CUDA
+                v = _upload_scalar(v, refs)  # 0-d CPU tensors and CPU indices mix in, as on CUDA
+                r = v.untyped_storage()._ember
+            elif v.device.type == "ember":
+                raise RuntimeError(f"{i.name}: argument {name} is an ember tensor with no storage on a peer")
             else:
                 raise WrongDevice(
                     f"Expected all tensors to be on the same device, but found at least two devices, ember:0 "
                     f"and {v.device}! (argument {name} of {i.name})",
                     hint="move the CPU tensor with .to('ember') first")
-        st = id(v.untyped_storage())
-        try:
-            alias = storages.index(st)
-        except ValueError:
-            alias = len(storages)
-            storages.append(st)
+        for alias, d in enumerate(distinct):
+            if d is r:
+                break
+        else:
+            alias = len(distinct)
+            distinct.append(r)
         operands.append(v)
+        refs.append(r)
         key.append((v.dtype, v.shape, v.stride(), v.storage_offset(), alias))
         return 0
     if isinstance(v, (bool, int, float, complex)):  # a Python number in a Tensor slot (a wrapped number)
@@ -150,9 +160,8 @@ def _wire_scalar(v: Any) -> Any:
     return float(v)
 
 
-def _upload_scalar(v: torch.Tensor, operands: list[torch.Tensor]) -> torch.Tensor:
-    dev = ref_of(operands[0]).device if operands else current_device()
-    return upload(v, dev)
+def _upload_scalar(v: torch.Tensor, refs: list[StorageRef]) -> torch.Tensor:
+    return upload(v, refs[0].device if refs else current_device())
 
 
 def kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -169,11 +178,12 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
     if i.refused is not None:
         raise NotImplementedError(i.refused)
     values = bound(i, args, kwargs)
-    template, operands, scalars, key, layouts = _walk(i, values)
+    template, operands, refs, scalars, key = _walk(i, values)
     k = (op, *key)
     plan = _cache.get(k)
     counters["ops"] += 1
     if plan is None:
+        layouts = layouts_of(operands)
         try:
             plan = _meta.infer(i, values, operands, template, layouts)
         except _meta.DataDependent:
@@ -182,7 +192,6 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
         if len(_cache) >= _CACHE_MAX:
             _cache.clear()
         _cache[k] = plan
-    refs = [ref_of(t) for t in operands]
     dev = device_of(refs, i)
     s = live_session(refs[0]) if refs else dev.session
     if plan.send:

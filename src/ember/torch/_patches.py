@@ -66,12 +66,12 @@ def _peer_decides(op: Any, *args: Any, **kwargs: Any) -> Any:
     kernel local CPU torch picks and a GPU peer the one its GPU offers."""
     i = info(op)
     values = bound(i, args, kwargs)
-    template, operands, scalars, key, layouts = D._walk(i, values)
-    dev = Dv.device_of([ref_of(t) for t in operands], i)
+    template, operands, refs, scalars, key = D._walk(i, values)
+    dev = Dv.device_of(refs, i)
     k = (op, id(dev), *key)
     v = _choices.get(k)
     if v is None:
-        v = _choices[k] = T.run_dynamic(i, operands, scalars, template, layouts, values)
+        v = _choices[k] = T.run_dynamic(i, operands, scalars, template, D.layouts_of(operands), values)
     return v
 
 
