@@ -15,8 +15,9 @@ Figures (each over the in-memory link, WebSocket and iroh, repeated; medians rep
   vs replayed (op-graph caching), and the step time with graph caching off and on.
 * ``memory``     peak client memory during a 1 GiB upload over the array's size (a fresh
   client process per transport).
-* ``--link-delay MS``: the slow-link figure (``bench.slow_link``): the demo fit and a
-  training loop with the peer behind a delaying loopback proxy, against torch.rpc.
+* ``--link-delay MS``: the slow-link figure (``bench.slow_link``): the demo fit, an Array API
+  training loop and an unchanged PyTorch loop through ``ember.torch`` with the peer behind a
+  delaying loopback proxy, against torch.rpc (one call per op).
 
 Baselines for latency, bandwidth and pipelined ops also include torch.distributed.rpc
 (``bench.rpc_baseline``: TensorPipe's default transports, and its TCP transport alone),

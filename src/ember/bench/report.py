@@ -29,7 +29,8 @@ _ROWS = [
     ("upload_peak_memory_ratio", "1 GiB upload: peak memory / array", "{:,.2f}"),
     ("upload_peak_memory_MBps", "1 GiB upload (MB/s)", "{:,.0f}"),
     *[(f"link_{w}_{ms}ms_{u}", f"{label}, {ms} ms RTT ({unit})", fmt)
-      for ms in ("10", "50") for w, label in (("lsq", "slow link: lsq fit"), ("mlp", "slow link: 50-step MLP"))
+      for ms in ("10", "50") for w, label in (("lsq", "slow link: lsq fit"), ("mlp", "slow link: 50-step MLP"),
+                                              ("torch", "slow link: 50-step ember.torch MLP"))
       for u, unit, fmt in (("s", "s", "{:,.3f}"), ("ratio", "torch.rpc / Ember", "{:,.1f}"))],
 ]
 _BASE_COLS = ("numpy", "raw_tcp", "ws_echo", "iroh_frames", "thread_hop", "rpc", "rpc_uv", "rpc_model", "rpyc")

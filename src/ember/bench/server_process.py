@@ -23,9 +23,15 @@ def child_main(core: int | None, iroh_on: bool) -> None:
     install_uvloop()
     from ..server import Server
 
+    try:  # a torch:cpu device (index 1) for the ember.torch workloads, where torch is installed
+        import torch  # noqa: F401
+        devices = ["cpu", "torch:cpu"]
+    except ImportError:
+        devices = ["cpu"]
+
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        srv = Server(["cpu"])
+        srv = Server(devices)
         srv.listen_websocket("127.0.0.1", 0)
         srv.listen_tcp("127.0.0.1", 0)
         info: dict[str, Any] = {}
@@ -40,10 +46,11 @@ def child_main(core: int | None, iroh_on: bool) -> None:
         except Exception as e:  # noqa: BLE001 - iroh may fail to bind: serve WebSocket anyway
             info["iroh_error"] = f"{type(e).__name__}: {e}"
             iroh_lst = None
-            srv = Server(["cpu"])
+            srv = Server(devices)
             srv.listen_websocket("127.0.0.1", 0)
             srv.listen_tcp("127.0.0.1", 0)
             await srv.start()
+        info["torch_device"] = devices.index("torch:cpu") if "torch:cpu" in devices else None
         info["websocket"] = next(a for a in srv.addresses if a.startswith("ws://"))
         info["tcp_ember"] = next(a for a in srv.addresses if a.startswith("tcp://"))
         if iroh_lst is not None:

@@ -7,8 +7,11 @@ direction; bandwidth is not limited. Through it the suite runs:
 * ``lsq``: the ``ember demo`` least-squares fit (512 x 16, ``steps`` gradient steps, one read
   at the end);
 * ``mlp``: a training loop of ``steps`` steps of the two-layer net of the ``graphs`` figure
-  (about 50 ops a step; the loss is read every step, the worst case for Ember). A torch
-  variant (``ember.torch``) can be added here as another workload name.
+  (about 50 ops a step; the loss is read every step, the worst case for Ember);
+* ``torch``: the same kind of loop in unchanged PyTorch through ``ember.torch`` (an MLP
+  classifier with AdamW, ``ember.torch.workloads``; the loss read every step) on the peer's
+  torch:cpu device. Its torch.rpc figure is modelled from the ATen ops the loop dispatches
+  (one call each, as an RPC-per-op system would make) and the same loop's time on local torch.
 
 The same work done by torch.distributed.rpc, one ``rpc_sync`` per op (``RpcNamespace``), is
 the baseline. TensorPipe dials the address its peer advertises through the rendezvous store,
@@ -181,8 +184,28 @@ def lsq_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return A, b
 
 
+def torch_workload(dev: Any, steps: int, seed: int = 0) -> dict[str, float]:
+    """The ``torch`` workload on ``dev`` ("cpu": local torch): seconds, ATen ops dispatched, last loss."""
+    import ember.torch
+    from ember.torch import workloads as W
+    kw = dict(model=lambda: W.MLP(16, 64, 4), opt="AdamW", opt_args={"lr": 3e-3}, steps=steps, seed=seed,
+              batch=lambda g: W.classification_batch(g, 64, (16,), 4))
+    if dev == "cpu":
+        t0 = time.perf_counter()
+        losses, _ = W.train(device="cpu", **kw)
+        return {"s": time.perf_counter() - t0, "check": losses[-1]}
+    ops0 = ember.torch.counters["ops"]
+    dev.sync()
+    t0 = time.perf_counter()
+    with dev:
+        losses, _ = W.train(device="ember", **kw)
+    return {"s": time.perf_counter() - t0, "check": losses[-1], "calls": ember.torch.counters["ops"] - ops0}
+
+
 def ember_workload(dev: Any, kind: str, steps: int, seed: int = 0) -> dict[str, float]:
     """Seconds for the workload on ``dev`` (data upload included), and its result for checking."""
+    if kind == "torch":
+        return torch_workload(dev, steps, seed)
     import ember.array_api as xp
     from ..demo import least_squares
     from .figures import training_state, training_step
