@@ -42,6 +42,7 @@ A complex scalar travels as ``[real, imag]``. Non-tensor results (``aten.equal``
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 (TENSOR, TENSOR_LIST, SCALAR, SCALAR_LIST, LITERAL, STRING, DTYPE, MEMORY_FORMAT, LAYOUT, DEVICE,
@@ -76,6 +77,13 @@ INTERNAL = frozenset({"torch.alloc", "torch.seed", "torch.storage_of", "torch.ar
 (reseed the session's generator), ``storage_of`` (a storage holding a value's bytes, C order),
 ``array_of`` (a contiguous value, for ``ember.array_api``, from an operand's layout)."""
 
+DENY = re.compile(r"from_file|unsafe|as_strided|^set_|pin_memory|is_pinned|record_stream|^empty|^new_empty|"
+                  r"^_empty|_nested|sparse|mkldnn|quantiz|^q_|^_cufft|^_copy_from|^_to_cpu|^_print|^_debug|"
+                  r"^_assert|^sym_|_efficientzerotensor|^_cudnn_init|^_fill_mem_eff|^lift")
+"""Ops (the name between ``aten.`` and the overload) a peer never runs, whatever their arguments:
+files, memory left uninitialised or mapped, unchecked access, pinned/sparse/quantized/nested
+tensors, and ops only the client performs (copies across devices, metadata)."""
+
 MAX_DIMS = 64
 MAX_LIST = 1 << 16
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -84,6 +92,25 @@ INT64 = (-(1 << 63), (1 << 63) - 1)
 def category(real_type: str) -> int | None:
     """The category of a schema argument type, or None when ops taking it are refused."""
     return CATEGORY.get(real_type)
+
+
+def refusal(name: str, arg_types: list[tuple[str, str]], return_types: list[str]) -> str | None:
+    """Why the overload ``name`` (``aten.<op>.<overload>``) may not run on a peer, or None.
+
+    ``arg_types``: ``(argument name, str(real_type))`` per schema argument; ``return_types``: the
+    returns' types. The peer applies this to every call; the client to every op it records, so a
+    refused op fails at the call, where the user looks.
+    """
+    op = name.split(".")[1]
+    if DENY.search(op):
+        return f"ATen op {name} is refused on Ember peers (files, raw memory or unchecked access)"
+    for arg, t in arg_types:
+        if category(t) is None:
+            return f"ATen op {name} takes a {t} ({arg}), which Ember peers do not accept"
+    for t in return_types:
+        if t not in RETURNS:
+            return f"ATen op {name} returns a {t}, which Ember peers do not send back"
+    return None
 
 
 def layout_extent(layout: Any, itemsizes: dict[str, int]) -> int:
@@ -113,6 +140,6 @@ def layout_extent(layout: Any, itemsizes: dict[str, int]) -> int:
     return (last + 1) * itemsizes[dtype]
 
 
-__all__ = ["CATEGORY", "RETURNS", "DTYPES", "MEMORY_FORMATS", "INTERNAL", "category", "layout_extent",
+__all__ = ["CATEGORY", "RETURNS", "DTYPES", "MEMORY_FORMATS", "INTERNAL", "DENY", "category", "refusal", "layout_extent",
            "TENSOR", "TENSOR_LIST", "SCALAR", "SCALAR_LIST", "LITERAL", "STRING", "DTYPE", "MEMORY_FORMAT",
            "LAYOUT", "DEVICE", "GENERATOR"]

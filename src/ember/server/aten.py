@@ -19,7 +19,6 @@ session's stream.
 
 from __future__ import annotations
 
-import re
 import threading
 from typing import Any, Callable
 
@@ -33,15 +32,13 @@ DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in A.DTYPES if isin
 ITEMSIZE = {n: d.itemsize for n, d in DTYPES.items()}
 MEMORY_FORMATS = {n: getattr(torch, n) for n in A.MEMORY_FORMATS}
 
-_DENY = re.compile(r"from_file|unsafe|as_strided|^set_|pin_memory|is_pinned|record_stream|^empty|^new_empty|"
-                   r"^_empty|_nested|sparse|mkldnn|quantiz|^q_|^_cufft|^_copy_from|^_to_cpu|^_print|^_debug|"
-                   r"^_assert|^sym_|_efficientzerotensor|^_cudnn_init|^_fill_mem_eff|^lift|^_index_put_impl")
-"""Overloads never run, whatever their arguments (see the module docstring)."""
 
 _RESIZE = frozenset({"resize_", "resize_as_"})
-_UNUSED_EMPTY = frozenset({"native_batch_norm", "_native_batch_norm_legit"})
-"""Ops whose CPU kernel returns an empty tensor for an output the meta kernel sizes (batch norm's
-saved statistics in eval mode): the peer stores zeros in the client's layout instead."""
+_LENIENT = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_embedding_bag",
+                      "_embedding_bag_forward_only"})
+"""Ops whose CPU kernel and meta kernel disagree on the size of an auxiliary output, one of them
+empty (batch norm's saved statistics in eval mode, embedding bag's unused max indices): the peer
+stores zeros in the client's layout, so the client's picture stays true."""
 _rng_locks: dict[str, threading.Lock] = {}
 
 
@@ -53,15 +50,8 @@ def refusal(name: str) -> str | None:
     op = _overload(parts[1], parts[2])
     if op is None:
         return f"there is no ATen overload {name[:80]!r} in torch {torch.__version__}"
-    if _DENY.search(parts[1]):
-        return f"ATen op {name} is refused on Ember peers (files, raw memory or unchecked access)"
-    for a in op._schema.arguments:
-        if A.category(str(a.real_type)) is None:
-            return f"ATen op {name} takes a {a.real_type} ({a.name}), which Ember peers do not accept"
-    for r in op._schema.returns:
-        if str(r.real_type) not in A.RETURNS:
-            return f"ATen op {name} returns a {r.real_type}, which Ember peers do not send back"
-    return None
+    return A.refusal(name, [(a.name, str(a.real_type)) for a in op._schema.arguments],
+                     [str(r.real_type) for r in op._schema.returns])
 
 
 def _overload(op: str, overload: str) -> Any:
@@ -231,9 +221,7 @@ class AtenKernel:
             elif cat == A.LITERAL:
                 if not _literal_ok(rtype, e):
                     raise ValueError(f"argument {name} of {self.name} must be {rtype}, got {str(e)[:60]}")
-                if name == "unsafe" and e:
-                    raise ValueError(f"{self.name} with unsafe=True is refused on Ember peers")
-                v = e
+                v = False if name == "unsafe" else e  # bounds checks are never skipped on a peer
             elif cat == A.STRING:
                 if not (e is None and rtype.startswith("Optional") or type(e) is str and len(e) <= 256):
                     raise ValueError(f"argument {name} of {self.name} must be {rtype}")
@@ -328,7 +316,7 @@ class AtenKernel:
             raise ValueError(f"output spec of {self.name}: {nbytes!r} bytes cannot hold layout {layout}")
         if not isinstance(r, torch.Tensor):
             r = torch.tensor(r, device=self.device)
-        if list(r.shape) != size and r.numel() == 0 and self.name.split(".")[1] in _UNUSED_EMPTY:
+        if list(r.shape) != size and (r.numel() == 0 or 0 in size) and self.name.split(".")[1] in _LENIENT:
             r = torch.zeros(size, dtype=DTYPES[dtype], device=self.device)
         if list(r.shape) != size or r.dtype is not DTYPES[dtype]:
             raise RuntimeError(f"{self.name} returned {tuple(r.shape)} {r.dtype} on the peer where the client "
@@ -372,6 +360,18 @@ def internal_ops(device: torch.device, rng: SessionRandom, max_tensor: int) -> d
     return {"torch.alloc": alloc, "torch.seed": seed, "torch.storage_of": storage_of, "torch.array_of": array_of}
 
 
+class Refused:
+    """What a refused name resolves to: raises why; ``written`` says what the call would have written."""
+
+    def __init__(self, why: str, written: Callable[[Any], list[int]] | None) -> None:
+        self.why = why
+        if written is not None:
+            self.written = written
+
+    def __call__(self, *a: Any, **k: Any) -> Any:
+        raise UnknownOp(self.why)
+
+
 class AtenOps(dict):  # type: ignore[type-arg]
     """A session's op table on a torch device: the device's Array API table, Ember's own torch ops,
     and on first use one kernel per vetted ATen overload (a refused name gets a kernel that says why)."""
@@ -386,13 +386,15 @@ class AtenOps(dict):  # type: ignore[type-arg]
         if not isinstance(name, str) or not name.startswith("aten."):
             raise KeyError(name)
         why = refusal(name)
-        if why is not None:
-            def refused(*a: Any, **k: Any) -> Any:
-                raise UnknownOp(why)
-            fn: Callable[..., Any] = refused
+        p = name.split(".")
+        op = _overload(p[1], p[2]) if len(p) == 3 else None
+        fn: Callable[..., Any]
+        if why is None:
+            fn = AtenKernel(name, op, self.device, self.rng)
+        elif op is not None:  # refused, but what it would write is known: that gets the poison
+            fn = Refused(why, AtenKernel(name, op, self.device, self.rng).written)
         else:
-            p = name.split(".")
-            fn = AtenKernel(name, _overload(p[1], p[2]), self.device, self.rng)
+            fn = Refused(why, None)
         if len(self) < 1 << 14:
             self[name] = fn
         return fn

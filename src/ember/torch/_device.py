@@ -101,12 +101,13 @@ def _claimed_overloads() -> list[str]:
     for name in torch._C._dispatch_get_all_op_names():
         if not name.startswith("aten::") or name in _NOT_CLAIMED:
             continue
-        if has(name, "CompositeExplicitAutogradNonFunctional") or \
+        if name in _ALWAYS_CLAIMED or has(name, "CompositeExplicitAutogradNonFunctional") or \
                 has(name, "CompositeExplicitAutograd") and (name.startswith("aten::_foreach_") or has(name, "Meta")):
             out.append(name)
     return out
 
 
+_ALWAYS_CLAIMED = frozenset({"aten::_conj", "aten::_neg_view"})  # copies on ember (see _patches)
 _NOT_CLAIMED = frozenset({"aten::_print", "aten::is_same_size", "aten::_assert_tensor_metadata",
                           "aten::_functional_sym_constrain_range"})
 

@@ -175,8 +175,6 @@ def kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
 def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
     """The generic path: infer (cached), record one message, build the outputs."""
     i = info(op)
-    if i.refused is not None:
-        raise NotImplementedError(i.refused)
     values = bound(i, args, kwargs)
     template, operands, refs, scalars, key = _walk(i, values)
     k = (op, *key)
@@ -192,6 +190,8 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
         if len(_cache) >= _CACHE_MAX:
             _cache.clear()
         _cache[k] = plan
+    if plan.send and i.refused is not None:  # what the peer would refuse fails here, at the call
+        raise NotImplementedError(i.refused)
     dev = device_of(refs, i)
     s = live_session(refs[0]) if refs else dev.session
     if plan.send:

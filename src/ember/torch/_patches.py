@@ -6,7 +6,9 @@
 * ``torch.save``: an ember tensor pickles as its CPU copy, so a checkpoint loads on a
   machine without Ember (``weights_only=True`` included).
 * Special ops: copies between ember and CPU (``copy_``, ``_copy_from``), ``.item()``,
-  ``set_`` (client-side storage sharing), ``resize_`` (grows the peer's storage), pinning.
+  ``set_`` (client-side storage sharing), ``resize_`` (grows the peer's storage), pinning;
+  ``conj()`` of a complex tensor is a copy (``conj_physical``), not torch's lazy conjugate view
+  (whose fallback a Python device cannot serve).
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ def _install_ops() -> None:
     S[aten._pin_memory.default] = _pin
     S[aten.record_stream.default] = lambda op, *a, **k: None
     S[aten._fused_sdp_choice.default] = _peer_decides
+    # ember tensors never carry torch's lazy conjugate/negative bits: conj() and _neg_view() copy
+    S[aten._conj.default] = lambda op, x: D.kernel_generic(aten.conj_physical.default, x)
+    S[aten._neg_view.default] = lambda op, x: D.kernel_generic(aten.neg.default, x)
 
 
 def _install_print() -> None:

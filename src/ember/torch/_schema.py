@@ -28,7 +28,7 @@ class OpInfo:
         self.base = base
         self.name = f"aten.{base}.{schema.overload_name or 'default'}"
         self.args = [(a.name, A.category(str(a.real_type)), a.kwarg_only,
-                      a.default_value if a.has_default_value() else _REQUIRED) for a in schema.arguments]
+                      _default(a) if a.has_default_value() else _REQUIRED) for a in schema.arguments]
         self.n_pos = sum(1 for a in schema.arguments if not a.kwarg_only)
         self.writes = tuple(bool(a.alias_info is not None and a.alias_info.is_write) for a in schema.arguments)
         self.inplace_view = torch.Tag.inplace_view in op.tags and base not in ("resize_", "resize_as_")
@@ -37,10 +37,28 @@ class OpInfo:
         self.alloc = base in _EMPTY
         self.returns = [str(r.real_type) for r in schema.returns]
         self.list_return = self.returns == ["List[Tensor]"]
-        bad = [str(a.real_type) for a in schema.arguments if A.category(str(a.real_type)) is None]
-        bad += [t for t in self.returns if t not in A.RETURNS]
-        self.refused = (f"{self.name} takes or returns {', '.join(bad)}, which ember tensors do not support"
-                        if bad else None)
+        self.refused = A.refusal(self.name, [(a.name, str(a.real_type)) for a in schema.arguments],
+                                 self.returns)
+
+
+# c10's enums, which a schema's defaults carry as ints (``ScalarType? dtype=4`` is int64)
+_SCALAR_TYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
+                 6: torch.float32, 7: torch.float64, 8: torch.complex32, 9: torch.complex64, 10: torch.complex128,
+                 11: torch.bool, 15: torch.bfloat16}
+_MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.preserve_format, 2: torch.channels_last,
+                   3: torch.channels_last_3d}
+
+
+def _default(a: Any) -> Any:
+    v, cat = a.default_value, A.category(str(a.real_type))
+    if type(v) is int:
+        if cat == A.DTYPE:
+            return _SCALAR_TYPES[v]
+        if cat == A.MEMORY_FORMAT:
+            return _MEMORY_FORMATS[v]
+        if cat == A.LAYOUT:
+            return torch.strided
+    return v
 
 
 class _Required:

@@ -96,6 +96,8 @@ def local_scalar(op: Any, t: torch.Tensor) -> Any:
 def run_dynamic(i: OpInfo, operands: list[torch.Tensor], scalars: list[Any], template: list[Any],
                 layouts: list[Any], values: list[Any]) -> Any:
     """An op whose output shapes depend on data: run it, then read its outputs' layouts (one round trip)."""
+    if i.refused is not None:
+        raise NotImplementedError(i.refused)
     if any(t == "List[Tensor]" for t in i.returns):
         raise NotImplementedError(f"{i.name}: a data-dependent list of outputs is not supported on ember tensors")
     refs = [ref_of(t) for t in operands]

@@ -1,0 +1,141 @@
+"""A sweep of everyday PyTorch ops: on ember they equal local CPU torch exactly (a torch:cpu peer runs the
+same kernels), including their gradients."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import ember.torch  # noqa: E402,F401
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def inputs(d: str) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, generator=g)
+    return {"x": x.to(d), "y": torch.randn(4, 6, generator=g).to(d), "m": torch.randn(6, 3, generator=g).to(d),
+            "i": torch.randint(0, 4, (5,), generator=g).to(d), "b": (x > 0).to(d),
+            "img": torch.randn(2, 3, 8, 8, generator=g).to(d), "seq": torch.randn(2, 5, 4, generator=g).to(d),
+            "c": torch.randn(3, 3, dtype=torch.complex64, generator=g).to(d),
+            "sq": (torch.randn(4, 4, generator=g, dtype=torch.float64) + 4 * torch.eye(4, dtype=torch.float64)).to(d),
+            "ints": torch.randint(-50, 50, (4, 6), generator=g).to(d)}
+
+
+OPS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "softmax": lambda t: F.softmax(t["x"], dim=1),
+    "log_softmax": lambda t: F.log_softmax(t["x"], dim=0),
+    "layer_norm": lambda t: F.layer_norm(t["x"], (6,)),
+    "group_norm": lambda t: F.group_norm(t["img"], 3),
+    "gelu_tanh": lambda t: F.gelu(t["x"], approximate="tanh"),
+    "silu_elu_leaky": lambda t: (F.silu(t["x"]), F.elu(t["x"]), F.leaky_relu(t["x"], 0.1)),
+    "mse_l1_smooth": lambda t: (F.mse_loss(t["x"], t["y"]), F.l1_loss(t["x"], t["y"]), F.smooth_l1_loss(t["x"], t["y"])),
+    "bce_logits": lambda t: F.binary_cross_entropy_with_logits(t["x"], (t["y"] > 0).float()),
+    "nll_weight": lambda t: F.cross_entropy(t["x"], t["i"][:4], weight=torch.arange(1.0, 7.0).to(t["x"].device)),
+    "conv1d": lambda t: F.conv1d(t["seq"].transpose(1, 2), torch.ones(2, 4, 3).to(t["seq"].device)),
+    "conv_transpose2d": lambda t: F.conv_transpose2d(t["img"], torch.ones(3, 2, 2, 2).to(t["img"].device), stride=2),
+    "pools": lambda t: (F.avg_pool2d(t["img"], 2), F.adaptive_avg_pool2d(t["img"], 3), F.max_pool2d(t["img"], 3, 2, 1)),
+    "interpolate": lambda t: F.interpolate(t["img"], scale_factor=2, mode="bilinear", align_corners=False),
+    "pad": lambda t: (F.pad(t["img"], (1, 2, 0, 1)), F.pad(t["img"], (1, 1, 1, 1), mode="reflect")),
+    "embedding_bag": lambda t: F.embedding_bag(torch.tensor([0, 2, 1, 3]).to(t["x"].device), t["x"],
+                                               torch.tensor([0, 2]).to(t["x"].device), mode="mean"),
+    "cumsum_cumprod": lambda t: (t["x"].cumsum(1), t["x"].cumprod(0), torch.logcumsumexp(t["x"], 1)),
+    "sort_topk": lambda t: (t["x"].sort(1), t["x"].topk(2, 1), t["x"].argsort(0, descending=True)),
+    "reductions": lambda t: (t["x"].sum(), t["x"].mean(0), t["x"].std(1), t["x"].var(0, keepdim=True), t["x"].amax(1),
+                             t["x"].min(0), t["x"].logsumexp(1), t["x"].norm(), t["x"].prod(1), t["b"].any(1),
+                             t["b"].all()),
+    "arg_max_min": lambda t: (t["x"].argmax(), t["x"].argmin(1)),
+    "where_clamp": lambda t: (torch.where(t["b"], t["x"], t["y"]), t["x"].clamp(-0.5, 0.5), t["x"].clamp(min=t["y"])),
+    "gather_scatter": lambda t: (t["x"].gather(1, t["i"][:4].unsqueeze(1)),
+                                 torch.zeros(4, 6).to(t["x"].device).scatter_(1, t["i"][:4].unsqueeze(1), 1.0),
+                                 torch.zeros(4, 6).to(t["x"].device).scatter_add_(0, t["i"][:4].expand(6, 4).t(),
+                                                                                  t["x"])),
+    "index_ops": lambda t: (t["x"].index_select(0, t["i"]), t["x"][t["i"]], t["x"][:, [0, 5, 2]],
+                            torch.zeros(4, 6).to(t["x"].device).index_add_(0, t["i"][:4], t["x"])),
+    "masked": lambda t: (t["x"].masked_fill(t["b"], -1.0), t["x"][t["b"]], t["x"].masked_select(t["b"]),
+                         torch.nonzero(t["b"]), t["b"].sum()),
+    "einsum_bmm": lambda t: (torch.einsum("ij,jk->ik", t["x"], t["m"]), torch.bmm(t["seq"], t["seq"].transpose(1, 2)),
+                             torch.baddbmm(t["seq"] @ t["seq"].transpose(1, 2), t["seq"], t["seq"].transpose(1, 2))),
+    "linalg": lambda t: (torch.linalg.inv(t["sq"]), torch.linalg.solve(t["sq"], t["sq"][:, :2]),
+                         torch.linalg.qr(t["sq"]).R, torch.linalg.det(t["sq"]), torch.linalg.cholesky(t["sq"] @ t["sq"].T),
+                         torch.linalg.svdvals(t["sq"]), torch.linalg.eigh(t["sq"] + t["sq"].T).eigenvalues),
+    "fft": lambda t: (torch.fft.rfft(t["x"]), torch.fft.fft2(t["c"]).abs(), torch.fft.irfft(torch.fft.rfft(t["x"]))),
+    "complex": lambda t: (t["c"] @ t["c"], t["c"].conj() * t["c"], t["c"].abs(), t["c"].angle(),
+                          torch.view_as_real(t["c"]), t["c"].real + 1),
+    "ints_bits": lambda t: (t["ints"] // 7, t["ints"] % 7, t["ints"] & 5, t["ints"] >> 1, t["ints"].abs(),
+                            torch.bitwise_xor(t["ints"], t["ints"].flip(0)), (t["ints"] > 3).int()),
+    "pow_exp_trig": lambda t: (t["x"].pow(2), t["x"].exp(), t["x"].sin(), torch.atan2(t["x"], t["y"]),
+                               t["x"].abs().sqrt(), t["x"].sigmoid(), t["x"].tanh(), torch.erf(t["x"])),
+    "cat_stack_chunk": lambda t: (torch.cat([t["x"], t["y"]], 1), torch.stack([t["x"], t["y"]]), t["x"].chunk(3, 1),
+                                  torch.hstack([t["x"], t["y"]]), t["x"].repeat(2, 1), t["x"].tile((1, 2))),
+    "shape_ops": lambda t: (t["x"].flatten(), t["x"].unflatten(1, (2, 3)), t["x"].permute(1, 0).contiguous(),
+                            t["x"].flip(1), t["x"].roll(2, 1), t["x"].tril(), t["x"].triu(1), t["x"].diag_embed(),
+                            t["x"].unfold(1, 2, 2), torch.broadcast_to(t["x"][0], (3, 6))),
+    "factories": lambda t: (torch.zeros(2, 3, device=t["x"].device), torch.ones(2, dtype=torch.int64, device=t["x"].device),
+                            torch.full((2, 2), 7.5, device=t["x"].device), torch.arange(0, 10, 3, device=t["x"].device),
+                            torch.linspace(0, 1, 5, device=t["x"].device), torch.eye(3, device=t["x"].device),
+                            torch.zeros_like(t["x"]), torch.ones_like(t["i"]), t["x"].new_full((2,), 3.0),
+                            torch.tensor([[1.0, 2.0]], device=t["x"].device)),
+    "dtypes": lambda t: (t["x"].half(), t["x"].bfloat16().float(), t["x"].double(), t["x"].to(torch.int8),
+                         t["b"].float(), t["x"].long(), t["ints"].to(torch.uint8)),
+    "dropout_eval_and_seeded": lambda t: (F.dropout(t["x"], 0.5, training=False),
+                                          (torch.manual_seed(3), F.dropout(t["x"], 0.5))[1],
+                                          (torch.manual_seed(4), torch.rand(3, device=t["x"].device),
+                                           torch.randint(0, 9, (4,), device=t["x"].device),
+                                           torch.randperm(6, device=t["x"].device))[1:]),
+    "unique_bincount": lambda t: (torch.unique(t["i"]), torch.unique(t["i"], return_counts=True), t["i"].bincount()),
+    "multihead_attention": lambda t: torch.nn.MultiheadAttention(4, 2, batch_first=True).to(t["seq"].device)(
+        t["seq"], t["seq"], t["seq"])[0] if torch.manual_seed(0) is not None else None,
+}
+
+
+def flat(x: Any) -> list[Any]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)) or hasattr(x, "_fields"):
+        return [t for v in x for t in flat(v)]
+    return []
+
+
+def check(a: Any, b: Any) -> None:
+    la, lb = flat(a), flat(b)
+    assert len(la) == len(lb) and la
+    for k, (p, q) in enumerate(zip(la, lb)):
+        assert q.device.type == "ember", f"output {k} on {q.device}"
+        assert (p.shape, p.dtype) == (q.shape, q.dtype), f"output {k}: {p.shape} {p.dtype} vs {q.shape} {q.dtype}"
+        assert torch.equal(p, q.cpu()) or (p.dtype.is_floating_point or p.dtype.is_complex) and torch.allclose(
+            p, q.cpu(), rtol=1e-6, atol=1e-7, equal_nan=True), f"output {k} differs:\n{p}\n{q.cpu()}"
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_op_equals_local_cpu(name: str) -> None:
+    torch.manual_seed(0)
+    local = OPS[name](inputs("cpu"))
+    torch.manual_seed(0)
+    check(local, OPS[name](inputs("ember")))
+
+
+GRADS: dict[str, Callable[[Any], Any]] = {
+    "softmax_ce": lambda x: F.cross_entropy(F.softmax(x, 1) * 3, torch.tensor([0, 1, 2, 3]).to(x.device)),
+    "layer_norm_gelu": lambda x: F.gelu(F.layer_norm(x, (6,))).pow(2).sum(),
+    "gather_index": lambda x: (x[torch.tensor([0, 3]).to(x.device)] * x.gather(1, torch.zeros(4, 1, dtype=torch.long)
+                                                                                 .to(x.device)).sum()).sum(),
+    "cumsum_sort": lambda x: (x.cumsum(1) * x.sort(1).values).sum(),
+    "where_clamp_norm": lambda x: torch.where(x > 0, x.clamp(max=0.5), x * 2).norm(),
+    "conv_pool": lambda x: F.max_pool2d(F.conv2d(x.reshape(1, 1, 4, 6), torch.ones(2, 1, 2, 2).to(x.device)), 2).sum(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRADS))
+def test_gradients_equal_local_cpu(name: str) -> None:
+    base = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for d in ("cpu", "ember"):
+        x = base.clone().to(d).requires_grad_(True)
+        GRADS[name](x).backward()
+        grads.append(x.grad)
+    check(grads[0], grads[1])
