@@ -9,7 +9,9 @@ the peer with the client's embedded-peer seam when ``ember`` is imported.
 
 from __future__ import annotations
 
+import atexit
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from .client.device import LOCAL, register_embedded
@@ -32,7 +34,23 @@ def local_server(address: str = LOCAL) -> "Server":
         if srv is None:
             from .server import Server
             srv = _servers[address] = Server(list(PEERS[address]))
+            if len(_servers) == 1:
+                atexit.register(_stop_workers)  # runs before the client's own exit handler (LIFO)
         return srv
+
+
+def _stop_workers(timeout: float = 10.0) -> None:
+    """At exit: let every embedded session's worker finish the batch it is running, and stop.
+
+    A worker is a thread of this very process; one still inside a torch or NumPy kernel while
+    the interpreter tears down would abort the process (C++ ``std::terminate``). Queued batches
+    are dropped: the process is ending, and nobody can read their results."""
+    deadline = time.monotonic() + timeout
+    sessions = [sess for srv in list(_servers.values()) for sess in list(srv.live)]
+    for sess in sessions:
+        sess.stop()
+    for sess in sessions:
+        sess.worker.join(max(0.0, deadline - time.monotonic()))
 
 
 def _handler(address: str) -> SessionHandler:

@@ -28,8 +28,8 @@ _OP = m.OP
 _inference_mode = torch.is_inference_mode_enabled
 _cache: dict[Any, _meta.Plan] = {}
 _CACHE_MAX = 1 << 16
-#: Ops handled by ``_transfer`` and friends instead of the generic path (op -> handler).
-SPECIAL: dict[Any, Callable[..., Any]] = {}
+#: Ops handled by ``_patches`` instead of the generic path (id(op) -> handler).
+SPECIAL: dict[int, Callable[..., Any]] = {}
 counters = {"ops": 0, "messages": 0, "cache_misses": 0}
 
 
@@ -166,7 +166,7 @@ def _upload_scalar(v: torch.Tensor, refs: list[StorageRef]) -> torch.Tensor:
 
 def kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
     """Every ATen call on ember tensors (the PrivateUse1 fallback and the claimed overloads)."""
-    special = SPECIAL.get(op)
+    special = SPECIAL.get(id(op))
     if special is not None:
         return special(op, *args, **kwargs)
     return kernel_generic(op, *args, **kwargs)
@@ -177,7 +177,7 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
     i = info(op)
     values = bound(i, args, kwargs)
     template, operands, refs, scalars, key = _walk(i, values)
-    k = (op, *key)
+    k = (i, *key)
     plan = _cache.get(k)
     counters["ops"] += 1
     if plan is None:

@@ -101,8 +101,15 @@ def _copy(op: Any, dst: torch.Tensor, src: Any, non_blocking: bool = False) -> t
     return D.kernel_generic(torch.ops.aten.copy_.default, dst, src, non_blocking)
 
 
+class _Special:
+    """``S[op] = handler`` files the handler under the overload's identity (see ``_dispatch.SPECIAL``)."""
+
+    def __setitem__(self, op: Any, fn: Any) -> None:
+        D.SPECIAL[id(op)] = fn
+
+
 def _install_ops() -> None:
-    S = D.SPECIAL
+    S = _Special()
     for op in (aten.copy_.default, aten._copy_from.default):
         S[op] = _copy
     S[aten._copy_from_and_resize.default] = lambda op, src, dst: (

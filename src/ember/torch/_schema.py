@@ -67,13 +67,14 @@ class _Required:
 
 
 _REQUIRED = _Required()
-_infos: dict[Any, OpInfo] = {}
+_infos: dict[int, OpInfo] = {}
 
 
 def info(op: Any) -> OpInfo:
-    i = _infos.get(op)
+    """The overload's OpInfo (keyed by identity: overloads are immortal, and their hash is Python code)."""
+    i = _infos.get(id(op))
     if i is None:
-        i = _infos[op] = OpInfo(op)
+        i = _infos[id(op)] = OpInfo(op)
     return i
 
 
