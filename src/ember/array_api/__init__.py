@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 from math import e, inf, nan, pi
 
-from . import _transfer, fft, linalg  # noqa: F401  (_transfer installs x.to_device)
+from . import _display, _transfer, fft, linalg  # noqa: F401  (they install repr(x), x.to_device)
 from . import _array
 from ._array import RemoteArray
 from ._creation import *  # noqa: F401,F403

@@ -128,9 +128,6 @@ class RemoteArray:
             raise TypeError("iteration over a 0-d array")
         return (self[i] for i in range(self._shape[0]))
 
-    def __repr__(self) -> str:
-        return f"RemoteArray(shape={self._shape}, dtype={self._dtype.name}, device={self._dev!r})"
-
     # ---- DLPack: through a host copy ---------------------------------------------
     def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
                    dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
@@ -148,7 +145,8 @@ class RemoteArray:
     def __dlpack_device__(self) -> tuple[int, int]:
         return (1, 0)  # kDLCPU: the exported capsule is a host copy
 
-    # ``x[key]`` / ``x[key] = v`` are installed by ``_indexing``, ``x.to_device`` by ``_transfer``
+    # ``x[key]`` / ``x[key] = v`` are installed by ``_indexing``, ``x.to_device`` by ``_transfer``,
+    # ``repr(x)`` / ``str(x)`` (the values, read once) by ``_display``
     # (the families import this module, never the other way round: no import cycles).
 
     def _adopt(self, new: "RemoteArray") -> None:

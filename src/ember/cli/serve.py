@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import ssl
 import sys
 from typing import Any
@@ -15,15 +16,41 @@ from ..server import Server, token_authorizer
 def build_server(args: argparse.Namespace) -> Server:
     token = args.token or os.environ.get("EMBER_TOKEN")
     auth = token_authorizer(token.encode()) if token else None
-    server = Server(args.device or ["cpu"], authorizer=auth, max_sessions=args.max_sessions)
+    peers = getattr(args, "admin_peer", None) or []
+    for p in peers:
+        if not re.fullmatch(r"[0-9a-fA-F]{64}", p):
+            raise EmberError(f"--admin-peer {p[:70]!r} is not an iroh peer id",
+                             hint="a peer id is 64 hex characters (`ember keygen` prints one)")
+    server = Server(args.device or ["cpu"], authorizer=auth, max_sessions=args.max_sessions,
+                    admin_tokens=admin_tokens(args), admin_peers=peers)
     tls = tls_context(args.tls_cert, args.tls_key) if getattr(args, "tls_cert", None) else None
     for host, port in args.websocket:
         server.listen_websocket(host, port, ssl=tls)
     for host, port in getattr(args, "tcp", None) or []:
         server.listen_tcp(host, port, ssl=tls)
+    if getattr(args, "metrics", None) is not None:
+        server.listen_metrics(*args.metrics)
     if not getattr(args, "no_iroh", True):
         add_iroh(server, args)
     return server
+
+
+def admin_tokens(args: argparse.Namespace) -> list[str]:
+    """The admin token from --admin-token, --admin-token-file or EMBER_ADMIN_TOKEN (at most one kind)."""
+    token, path = getattr(args, "admin_token", None), getattr(args, "admin_token_file", None)
+    if token and path:
+        raise EmberError("--admin-token and --admin-token-file both given", hint="pass one of them")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise EmberError(f"cannot read the admin token file {path}: {e.strerror or e}",
+                             hint="write the token in a file readable by ember serve, e.g. mode 0600") from None
+        if not token:
+            raise EmberError(f"the admin token file {path} is empty", hint="put the token on its first line")
+    token = token or os.environ.get("EMBER_ADMIN_TOKEN") or None
+    return [token] if token else []
 
 
 def tls_context(cert: str, key: str | None) -> ssl.SSLContext:
@@ -71,6 +98,12 @@ def serve(args: argparse.Namespace) -> int:
     def ready(addresses: list[str]) -> None:
         for a in addresses:  # WebSocket and TCP first, then the iroh ticket
             print(f"ember serve: listening on {a} ({describe_devices(server)})", flush=True)
+        if server.metrics_address:
+            print(f"ember serve: metrics on {server.metrics_address}", flush=True)
+        if server.admin_tokens or server.admin_peers:
+            ways = (["admin token"] if server.admin_tokens else []) + \
+                [f"{len(server.admin_peers)} admin peer(s)"] * bool(server.admin_peers)
+            print(f"ember serve: admin access (ember top/status) by {' and '.join(ways)}", flush=True)
         lst = getattr(server, "iroh_listener", None)
         if lst is not None:  # each value is its own whitespace-separated word
             print(f"ember serve: iroh ticket {lst.ticket}", flush=True)

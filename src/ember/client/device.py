@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import ssl
 import threading
@@ -15,6 +16,7 @@ from .io import get_loop, run_sync
 from .session import ClientSession, open_session
 
 LOCAL = "local"
+log = logging.getLogger("ember.client")
 
 
 class Device:
@@ -26,9 +28,10 @@ class Device:
 
     def __init__(self, address: str, index: int, *, credential: bytes = b"", timeout: float = 10.0,
                  read_timeout: float = 300.0, session_options: dict[str, Any] | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, admin: bool = False) -> None:
         self.address = address
         self.index = index
+        self.admin = admin
         self._credential = credential
         self._timeout = timeout
         self._read_timeout = read_timeout
@@ -50,14 +53,17 @@ class Device:
             try:
                 welcome = await open_session(conn, address=self.address, device=self.index,
                                              credential=self._credential, timeout=self._timeout, session_id=sid,
-                                             features=self._features)
+                                             features=self._features, admin=self.admin)
             except BaseException:
                 await conn.close()
                 raise
             return ClientSession(conn, welcome, loop, address=self.address, device=self.index,
                                  read_timeout=self._read_timeout, **self._options)
 
-        return run_sync(go(), self._timeout + 1.0, f"connecting to {self.address}")
+        session = run_sync(go(), self._timeout + 1.0, f"connecting to {self.address}")
+        log.debug("session %s with %s device %d opened%s", sid.hex()[:8], self.address[:40], self.index,
+                  " (admin)" if self.admin else "")
+        return session
 
     @property
     def session(self) -> ClientSession:
@@ -70,6 +76,9 @@ class Device:
                 if self._session is not None and isinstance(self._session.lost, SessionLost) \
                         and self._session.lost.message == "session closed by this client":
                     raise SessionLost(f"device {self!r} was closed", hint="connect again with ember.connect")
+                if self._session is not None:
+                    log.info("session with %s device %d was lost (%s); reconnecting for new work",
+                             self.address[:40], self.index, self._session.lost)
                 self._session = self._open()
             return self._session
 
@@ -86,9 +95,27 @@ class Device:
     def dtypes(self) -> tuple[str, ...]:
         return tuple(self.info["dtypes"])
 
-    def stats(self) -> dict[str, int]:
-        """Ops, batches and bytes this device's current session has moved."""
-        return dict(self.session.stats)
+    def stats(self, peer: bool = True) -> dict[str, Any]:
+        """This device's session in figures (no admin rights needed).
+
+        The client's counters (``ops``, ``batches``, ``bytes_sent``, ``bytes_received``, ``reads``,
+        ``graphs``, ``replays``, ...), read before asking the peer, and with ``peer`` (one round
+        trip) what the peer reports for this session under ``"peer"``: ``session`` (ops run,
+        bytes in and out, tensors and bytes held, graph hits, its last error, ...) and ``device``.
+        """
+        s = self.session
+        out: dict[str, Any] = dict(s.stats)
+        if peer:
+            out["peer"] = s.request(m.STATS, "session")
+        return out
+
+    def peer_stats(self) -> dict[str, Any]:
+        """The whole peer in figures: devices, sessions, totals, recent transfers and errors.
+
+        Only for an admin session (``connect(address, admin=True, credential=ADMIN_TOKEN)``, or
+        from an allowlisted admin iroh peer); others get ``AuthorizationError``.
+        """
+        return self.session.request(m.STATS, "server")
 
     def sync(self, timeout: float | None = None) -> None:
         """Wait until everything recorded so far has run on the peer."""
@@ -152,21 +179,22 @@ def _stack() -> list[Device]:
 
 
 def connect(address: str = LOCAL, *, device: int = 0, credential: bytes | str = b"", timeout: float = 10.0,
-            read_timeout: float = 300.0, tls_ca: str | ssl.SSLContext | None = None,
+            read_timeout: float = 300.0, tls_ca: str | ssl.SSLContext | None = None, admin: bool = False,
             **session_options: Any) -> Device:
     """Connect to one device of a peer, eagerly.
 
     ``address`` is ``"local"``, ``"ws://host:port"``, ``"tcp://host:port"``, or an iroh ticket / peer id.
     An unreachable peer, a refused session or a bad device index raises here.
     ``tls_ca`` (a CA file or an ``ssl.SSLContext``; default ``$EMBER_TLS_CA``, else
-    the system's CAs) verifies a ``wss://`` or ``tcps://`` peer.
+    the system's CAs) verifies a ``wss://`` or ``tcps://`` peer. ``admin=True`` opens an admin
+    session (``credential`` is then the peer's admin token): ``dev.peer_stats()`` works on it.
     """
     if isinstance(credential, str):
         credential = credential.encode()
     if not isinstance(device, int) or device < 0:
         raise ConnectError(f"device index must be a non-negative int, got {device!r}")
     return Device(address, device, credential=credential, timeout=timeout, read_timeout=read_timeout,
-                  session_options=session_options, tls=_tls_context(address, tls_ca))
+                  session_options=session_options, tls=_tls_context(address, tls_ca), admin=admin)
 
 
 def _tls_context(address: str, ca: str | ssl.SSLContext | None) -> ssl.SSLContext | None:

@@ -515,11 +515,13 @@ class ClientSession(BulkData):
 # ---- opening a session ------------------------------------------------------------------
 
 async def open_session(conn: FrameConnection, *, address: str, device: int, credential: bytes,
-                       timeout: float, session_id: bytes, features: list[str] | None = None) -> dict[str, Any]:
+                       timeout: float, session_id: bytes, features: list[str] | None = None,
+                       admin: bool = False) -> dict[str, Any]:
     """Handshake on an open connection: send Hello (offering ``features``, default all this
-    version speaks), judge the reply, return the Welcome."""
+    version speaks), judge the reply, return the Welcome. ``admin``: ask for an admin session
+    (``credential`` is the peer's admin token)."""
     await conn.send(codec.encode_hello(session_id=session_id, device=device, credential=credential,
-                                       client_version=__version__, features=features))
+                                       client_version=__version__, features=features, admin=admin))
     try:
         frame = await asyncio.wait_for(conn.recv(), timeout)
     except asyncio.TimeoutError:
@@ -537,7 +539,8 @@ async def open_session(conn: FrameConnection, *, address: str, device: int, cred
     await conn.close()
     code, reason = reply.get("code"), str(reply.get("reason", ""))
     if code == m.REJECT_UNAUTHORIZED:
-        raise AuthorizationError(reason, hint="pass the peer's credential: ember.connect(address, credential=b'...')")
+        raise AuthorizationError(reason, hint="pass the peer's admin token (ember top/status --token T)" if admin
+                                 else "pass the peer's credential: ember.connect(address, credential=b'...')")
     if code in (m.REJECT_VERSION, m.REJECT_PROTOCOL):
         raise ProtocolError(reason, hint="install the same ember version on both sides")
     if code == m.REJECT_DEVICE:

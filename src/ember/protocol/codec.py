@@ -118,12 +118,16 @@ def chunk_frames(flat: memoryview, chunk: int) -> Iterator[tuple[bytes, memoryvi
 
 def encode_hello(*, session_id: bytes, device: int, credential: bytes = b"",
                  client_version: str = "", protocol: int = m.PROTOCOL_VERSION,
-                 features: list[str] | None = None) -> bytes:
+                 features: list[str] | None = None, admin: bool = False) -> bytes:
     """``features``: optional wire features the client speaks (``messages.FEATURES``); the
-    Welcome answers with those both sides speak."""
-    return packb({"type": "hello", "protocol": protocol, "session_id": session_id,
-                  "device": device, "credential": credential, "client": client_version,
-                  "features": list(m.FEATURES if features is None else features)})
+    Welcome answers with those both sides speak. ``admin``: ask for an admin session
+    (whole-peer STATS); ``credential`` is then the peer's admin token."""
+    hello = {"type": "hello", "protocol": protocol, "session_id": session_id,
+             "device": device, "credential": credential, "client": client_version,
+             "features": list(m.FEATURES if features is None else features)}
+    if admin:
+        hello["admin"] = True
+    return packb(hello)
 
 
 def agreed_features(offered: Any) -> list[str]:
@@ -148,6 +152,8 @@ def decode_hello(frame: bytes) -> dict[str, Any]:
     sid = d.get("session_id", b"")
     if not isinstance(sid, bytes) or len(sid) != 16:
         raise ProtocolError("Hello session_id must be 16 bytes")
+    if not isinstance(d.get("admin", False), bool):
+        raise ProtocolError("Hello admin flag must be a boolean")
     d["credential"] = cred or b""
     return d
 

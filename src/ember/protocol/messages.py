@@ -4,7 +4,12 @@ The full specification (framing per transport, handshake, every kind's fields an
 MessagePack types, limits, what a server must refuse) is ``docs/protocol.md``;
 this docstring is its summary.
 
-Handshake frames are MessagePack maps (self-describing, rarely sent). After the
+Handshake frames are MessagePack maps (self-describing, rarely sent). A Hello may
+carry ``admin: true``: it then asks for an *admin session* (``ember top``,
+``ember status``), judged by the peer's admin check (its ``credential`` must be
+the peer's admin token, or the client's authenticated iroh peer id must be
+allowlisted) instead of its authorizer; a refusal is a Reject ``unauthorized``
+with the reason. An admin session is an ordinary session otherwise. After the
 handshake every client frame is a *batch*: a MessagePack array of messages,
 each message a short array whose first item is its kind. Every server frame is
 an array of *responses* ``[req, status, payload]``. Arrays, not maps, keep the
@@ -29,7 +34,13 @@ Client → server messages (positions after the kind)::
     FETCH   id, source, capability, timeout     source None: take a MOVE token
     MOVE    id, token                           same-peer move
     ATEN    (reserved: ember.torch's ATen op stream)
-    STATS   (reserved: telemetry / admin figures)
+    STATS   req, scope                          figures, answered with a map (ember.server.figures):
+                                                scope "session" (this session and its device;
+                                                anyone) or "server" (every session, device, total
+                                                and recent event: admin sessions only, others get
+                                                an AuthorizationError). Sent alone in a batch, the
+                                                network loop answers it at once, even while the
+                                                worker is busy; inside a batch, in order.
 
 Server → client responses: ``[req, status, payload]`` with status OK,
 ERROR (payload ``{kind, message, op}``) or CHUNK (part of a large read:

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from ..errors import ProtocolError
+from ..protocol import codec
 from ..protocol import messages as m
 from .backends import Backend
 
@@ -28,7 +29,8 @@ Step = tuple[Any, tuple[int, ...], tuple[int, ...], "dict[str, Any] | None", str
 
 
 class CompiledGraph:
-    __slots__ = ("gid", "n_in", "scalars", "n_s", "steps", "kept", "consumed", "n_reg")
+    __slots__ = ("gid", "n_in", "scalars", "n_s", "steps", "kept", "consumed", "n_reg", "n_ops", "wire_bytes",
+                 "replay_bytes", "saved")
 
     def __init__(self, gid: int, n_in: int, scalars: list[Any], steps: tuple[Step, ...], kept: tuple[int, ...],
                  consumed: tuple[int, ...], n_reg: int) -> None:
@@ -40,6 +42,17 @@ class CompiledGraph:
         self.kept = kept
         self.consumed = consumed
         self.n_reg = n_reg
+        self.n_ops = len(steps)
+        self.wire_bytes = 0    # the GRAPH message's size (set by compile_graph)
+        self.replay_bytes = 0  # a REPLAY's size, estimated (ids as 32-bit ints, no scalar overrides)
+        self.saved = 0         # wire bytes one replay saves against sending the ops one by one
+
+
+def _sizes(g: CompiledGraph, msg: list[Any]) -> None:
+    """Telemetry's byte figures: the op messages a replay stands for are about the graph body's size."""
+    g.wire_bytes = len(codec.packb(msg))
+    g.replay_bytes = len(codec.packb([m.REPLAY, g.gid, [0xFFFFFFFF] * g.n_in, 0xFFFFFFFF, []]))
+    g.saved = max(0, len(codec.packb(msg[4])) - g.replay_bytes)
 
 
 def _int(v: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
@@ -90,7 +103,9 @@ def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend:
         _int(r, "a kept register", first_out, reg)
     for k in consumed:
         _int(k, "a consumed input", 0, n_in)
-    return CompiledGraph(gid, n_in, scalars, tuple(steps), tuple(kept), tuple(consumed), reg)
+    g = CompiledGraph(gid, n_in, scalars, tuple(steps), tuple(kept), tuple(consumed), reg)
+    _sizes(g, msg)
+    return g
 
 
 class GraphCache:
@@ -106,6 +121,10 @@ class GraphCache:
         if g is not None:
             self._d.move_to_end(gid)
         return g
+
+    def peek(self, gid: Any) -> CompiledGraph | None:
+        """The graph, without making it the most recent (telemetry looks, the LRU does not move)."""
+        return self._d.get(gid) if type(gid) is int else None
 
     def put(self, g: CompiledGraph) -> None:
         d = self._d

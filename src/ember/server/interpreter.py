@@ -18,6 +18,7 @@ from ..protocol import messages as m
 from .adapters import adapt
 from .backends import Backend, UnknownOp
 from .graph_cache import GraphCache, compile_graph
+from .telemetry import OFF
 
 #: ``respond(responses)`` sends one frame of responses; ``respond([[req, OK, [dtype, shape, 0, nil, total]]],
 #: data)`` sends a read answer whose bytes (a flat byte view of the array) travel in data frames.
@@ -155,6 +156,8 @@ class Interpreter:
             self.op, self.upload, self.drop, self.read, self.sync, self.custom, self.close, self.sync,
             self.shape, self.graph, self.replay, None, None, None, None, None)
         self.ops_run = 0
+        self.probe, self.label = OFF, ""  # telemetry (server/telemetry.py): the session sets both
+        self.graph_hits = self.graph_misses = self.replayed_ops = self.graph_saved = 0
         self.graphs = GraphCache(int(limits.get("graph_cache", m.DEFAULT_GRAPH_CACHE)))
         self._stalled: list[list[Any]] | None = None  # REPLAY of an unknown graph + everything after it
         self._stall_gid: Any = None
@@ -163,6 +166,12 @@ class Interpreter:
         """Route EXPOSE / FETCH / MOVE to ``ops`` (a ``transfer.TransferOps``)."""
         h = list(self.handlers)
         h[m.EXPOSE], h[m.FETCH], h[m.MOVE] = ops.expose, ops.fetch, ops.move
+        self.handlers = tuple(h)
+
+    def set_handler(self, kind: int, handler: Callable[[list[Any], list[list[Any]]], None]) -> None:
+        """Route message ``kind`` to ``handler`` (the session installs STATS this way)."""
+        h = list(self.handlers)
+        h[kind] = handler
         self.handlers = tuple(h)
 
     # ---- batch ---------------------------------------------------------------
@@ -209,35 +218,52 @@ class Interpreter:
                 return False
         return True
 
-    def run_batch(self, batch: list[list[Any]]) -> None:
+    def run_batch(self, batch: list[list[Any]], received: float = 0.0, inline: bool = False) -> None:
+        """Run a batch; ``received`` (perf_counter at its arrival) and ``inline`` only inform telemetry."""
         if self._stalled is not None:
             resumed = self._resume(batch)
             if resumed is None:
                 return
             batch = resumed
+        rec = self.probe.record() if self.probe.active else None  # telemetry: None unless op events are wanted
+        if rec is not None:
+            names, times, clock, shapes = rec.names.append, rec.times.append, rec.clock, rec.outputs is not None
         out: list[list[Any]] = []
         handlers, run_op = self.handlers, self.op
         for msg in batch:
             kind = msg[0]
             if kind == m.OP:
                 run_op(msg, out)
+                if rec is not None:
+                    names(msg[1])
+                    times(clock())
+                    if shapes:
+                        rec.add_outputs(self.tensors, msg)
                 continue
             h = handlers[kind]
             if h is None:
                 self._malformed(msg, out, ProtocolError(f"{m.KIND_NAMES[kind]} is not supported by this peer"))
-                continue
-            try:
-                h(msg, out)
-            except NeedGraph as e:  # hold this REPLAY and all after it until the client re-sends the graph
-                i = next(i for i, x in enumerate(batch) if x is msg)
-                self._stalled, self._stall_gid = batch[i:], e.gid
-                out.append([0, m.NEED_GRAPH, e.gid])
-                break
-            except Exception as e:  # a malformed message: answer it, keep the session
-                self._malformed(msg, out, e)
+            else:
+                try:
+                    h(msg, out)
+                except NeedGraph as e:  # hold this REPLAY and all after it until the client re-sends the graph
+                    i = next(i for i, x in enumerate(batch) if x is msg)
+                    self._stalled, self._stall_gid = batch[i:], e.gid
+                    out.append([0, m.NEED_GRAPH, e.gid])
+                    self.graph_misses += 1
+                    self.probe.graph_missed(self.label, e.gid)
+                    if rec is not None:
+                        rec.other(kind, msg, self)
+                    break
+                except Exception as e:  # a malformed message: answer it, keep the session
+                    self._malformed(msg, out, e)
+            if rec is not None:
+                rec.other(kind, msg, self)
         self.ops_run += len(batch)
         if out:
             self.respond(out)
+        if rec is not None:
+            self.probe.batch(self.label, rec, received, inline)
 
     def _resume(self, batch: list[list[Any]]) -> list[list[Any]] | None:
         """Stalled: register the awaited GRAPH if this batch brings it, then run everything held, in order."""
@@ -264,6 +290,7 @@ class Interpreter:
     def _malformed(self, msg: list[Any], out: list[list[Any]], e: Exception) -> None:
         err = e if isinstance(e, ProtocolError) else ProtocolError(f"malformed {m.KIND_NAMES[msg[0]]} message: {e}")
         req = msg[1] if len(msg) > 1 and msg[0] in (m.READ, m.SYNC, m.SHAPE) and isinstance(msg[1], int) else 0
+        self.probe.error(self.label, "ProtocolError", type(e).__name__, None, err.message, False)
         if req:
             out.append([req, m.ERROR, to_wire(err)])
 
@@ -331,6 +358,7 @@ class Interpreter:
             desc = _describe_layouts(kwargs) or _describe([self.tensors.get(i, "?") for i in ids])
             poison = Poison({"kind": "RemoteExecutionError", "op": name,
                              "message": f"op {name}({desc}) failed on {self.backend.spec}: {msg}"})
+            self.probe.error(self.label, "RemoteExecutionError", type(e).__name__, name, poison.error["message"], True)
         try:
             for o in outs:
                 self.tensors.pop(o, None)
@@ -346,7 +374,10 @@ class Interpreter:
         except ProtocolError as e:
             out.append([0, m.ERROR, to_wire(e)])
             return
+        evicted = self.graphs.evictions
         self.graphs.put(g)
+        if self.graphs.evictions != evicted:
+            self.probe.graph_evicted(self.label, self.graphs.evictions - evicted)
 
     def replay(self, msg: list[Any], out: list[list[Any]]) -> None:
         """Run a registered graph: the same ops, the same poisoning, as if each op had been sent."""
@@ -361,6 +392,9 @@ class Interpreter:
         if len(ins) != n_in or len(outs) != len(g.kept) or len(scal) % 2:
             raise ProtocolError(f"Replay of graph {gid} binds {len(ins)} inputs and {len(outs)} outputs; "
                                 f"the graph has {n_in} and {len(g.kept)}")
+        self.graph_hits += 1
+        self.replayed_ops += g.n_ops
+        self.graph_saved += g.saved
         t, poison = self.tensors, self.poison
         R: list[Any] = [None] * g.n_reg
         spoiled: dict[Any, Poison] = {}
@@ -437,8 +471,10 @@ class Interpreter:
             return upstream
         msg = self._why(name, e, [v.tid for v in vals if type(v) is _Missing])
         desc = _describe_layouts(kw) or _describe(["?" if type(v) is _Missing else v for v in vals])
-        return Poison({"kind": "RemoteExecutionError", "op": name,
-                       "message": f"op {name}({desc}) failed on {self.backend.spec}: {msg}"})
+        p = Poison({"kind": "RemoteExecutionError", "op": name,
+                    "message": f"op {name}({desc}) failed on {self.backend.spec}: {msg}"})
+        self.probe.error(self.label, "RemoteExecutionError", type(e).__name__, name, p.error["message"], True)
+        return p
 
     def custom(self, msg: list[Any], out: list[list[Any]]) -> None:
         _, name, inputs, outs, scalars, specs = msg

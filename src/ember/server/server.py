@@ -15,8 +15,11 @@ from ..errors import AuthorizationError, EmberError
 from ..protocol import messages as m
 from ..transport.base import FrameConnection, Listener
 from .backends import Backend, make_backend
+from .figures import Figures
 from .interpreter import build_table
 from .session import Session, drive_session
+from .session_log import SessionLog
+from .telemetry import Probe
 from .transfer import TransferHub
 
 log = logging.getLogger("ember.server")
@@ -55,7 +58,9 @@ class Server:
                  max_tensor: int = 1 << 40,
                  peer_id: str | None = None,
                  graph_cache: int = m.DEFAULT_GRAPH_CACHE,
-                 inline_small: bool = True) -> None:
+                 inline_small: bool = True,
+                 admin_tokens: Iterable[bytes | str] = (),
+                 admin_peers: Iterable[str] = ()) -> None:
         self.backends: list[Backend] = [d if isinstance(d, Backend) else make_backend(d) for d in devices]
         if not self.backends:
             raise EmberError("a server needs at least one device", hint="e.g. Server(['cpu'])")
@@ -78,6 +83,15 @@ class Server:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
+        # telemetry (server/telemetry.py): the probe, its subscribers, and who may see the whole peer
+        self.telemetry = Probe()
+        self.figures = Figures(self)
+        self.session_log = SessionLog(self.telemetry, [b.spec for b in self.backends])
+        self.admin_tokens = tuple(t.encode() if isinstance(t, str) else bytes(t) for t in admin_tokens if t)
+        self.admin_peers = frozenset(p.strip().lower() for p in admin_peers if p.strip())
+        self.metrics_address: str | None = None
+        self._metrics_bind: tuple[str, int] | None = None
+        self._metrics_close: Callable[[], None] | None = None
 
     # ---- configuration -----------------------------------------------------------
     def register_op(self, name: str, fn: CustomOp) -> None:
@@ -121,6 +135,10 @@ class Server:
         self.add_listener(lst)
         return lst
 
+    def listen_metrics(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Serve Prometheus ``/metrics`` on ``host:port`` once started (``metrics_address`` says where)."""
+        self._metrics_bind = (host, port)
+
     def device_info(self) -> list[dict[str, Any]]:
         return [b.info(i) for i, b in enumerate(self.backends)]
 
@@ -139,6 +157,19 @@ class Server:
             return None
         return verdict if isinstance(verdict, str) else "refused by the peer's authorizer"
 
+    def authorize_admin(self, peer_id: str | None, credential: bytes) -> str | None:
+        """None when this Hello may open an admin session (``ember top``/``status``), else why not."""
+        if not self.admin_tokens and not self.admin_peers:
+            return ("this peer grants no admin access (start it with --admin-token, --admin-token-file "
+                    "or --admin-peer)")
+        if peer_id is not None and peer_id.lower() in self.admin_peers:
+            return None
+        if credential and any(hmac.compare_digest(credential, t) for t in self.admin_tokens):
+            return None
+        if not self.admin_tokens:
+            return f"peer {(peer_id or 'unauthenticated (WebSocket)')[:16]} is not an admin peer of this peer"
+        return "wrong admin token" if credential else "missing admin token"
+
     def held_tensors(self) -> int:
         """Tensors (values and poisoned ids) held by all sessions, including closing ones."""
         return sum(s.interp.held() for s in list(self.live))
@@ -152,6 +183,11 @@ class Server:
         """Start every listener; return the addresses clients can use."""
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
+        self.figures.start(ops=self._metrics_bind is not None)
+        self.session_log.start()
+        if self._metrics_bind is not None and self._metrics_close is None:
+            from .metrics import serve_metrics
+            self.metrics_address, self._metrics_close = serve_metrics(self, *self._metrics_bind)
         for lst in self.listeners:
             await lst.start(self.handle)
             self.addresses.extend(lst.addresses)
@@ -164,6 +200,7 @@ class Server:
 
     async def stop(self) -> None:
         """Stop listening and end every session (their tensors are freed)."""
+        self.telemetry.stopping = True
         for lst in self.listeners:
             try:
                 await lst.stop()
@@ -171,6 +208,15 @@ class Server:
                 log.exception("stopping listener")
         for s in list(self.sessions.values()):
             await s.conn.close()
+        for _ in range(200):  # let the pumps end (and report) their sessions, at most 2 s
+            if not self.telemetry.sessions:
+                break
+            await asyncio.sleep(0.01)
+        self.session_log.stop()
+        self.figures.stop()
+        if self._metrics_close is not None:
+            await asyncio.to_thread(self._metrics_close)
+            self._metrics_close = None
         if self.transfer_peer_id is not None:
             from ..transport.iroh import close_client
             await close_client()

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -31,6 +32,7 @@ from ..protocol import messages as m
 from ..transport.base import FrameConnection
 from .interpreter import Interpreter, Placed
 from .backends import Backend
+from .telemetry import Probe, transport_of
 from .transfer import TransferHub, TransferOps, serve_transfer
 
 log = logging.getLogger("ember.server")
@@ -58,8 +60,12 @@ class SessionHost(Protocol):
     transfer_peer_id: str | None
     version: str
     instance: str
+    telemetry: Probe
+    figures: Any  # server/figures.py: answers STATS
 
     def authorize(self, peer_id: str | None, device: int, credential: bytes) -> str | None: ...
+
+    def authorize_admin(self, peer_id: str | None, credential: bytes) -> str | None: ...
 
     def device_info(self) -> list[dict[str, Any]]: ...
 
@@ -76,13 +82,17 @@ class Session:
         self.peer_id = conn.peer_id
         self.loop = loop
         self.outbox: asyncio.Queue[Any] = asyncio.Queue()  # frames, data-frame streams, None at the end
-        self.inbox: queue.SimpleQueue[list[list[Any]] | None] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[tuple[list[list[Any]], float, bool] | None] = queue.SimpleQueue()
         self.alive = True
         self.sending = False  # a frame is being sent (by the sender task, or inline by the pump)
         self.queued = 0  # batches handed to the worker (written by the loop)
         self.done = 0    # batches the worker finished (written by the worker)
         self.inline = bool(getattr(server, "inline_small", True))
         self._loop_thread = threading.get_ident()
+        # telemetry: who, and plain counters (one addition per frame); see server/telemetry.py
+        self.label, self.admin, self.transport = self.session_id.hex(), bool(hello.get("admin")), transport_of(conn)
+        self.opened = time.monotonic()
+        self.bytes_in = self.bytes_out = self.batches = 0
         backend = server.backends[self.device_index]
         self.interp = Interpreter(backend, server.tables[self.device_index], server.custom_ops,
                                   self.respond, server.limits)
@@ -94,6 +104,8 @@ class Session:
         set_sink = getattr(conn, "set_data_sink", None)
         if self.data and set_sink is not None:
             set_sink(self.sink)
+        self.interp.probe, self.interp.label = server.telemetry, self.label
+        self.interp.set_handler(m.STATS, self.stats)
         self.worker = threading.Thread(target=self._work, name=f"ember-session-{self.session_id.hex()[:8]}",
                                        daemon=True)
         server.live.add(self)
@@ -123,14 +135,20 @@ class Session:
         self.interp.clear()
         self.server.live.discard(self)
 
+    def stats(self, msg: list[Any], out: list[list[Any]]) -> None:
+        """STATS (in a batch, in order; alone, the pump answers it at once): figures, see server/figures.py."""
+        resp = self.server.figures.answer(self, msg)
+        if resp is not None:
+            out.append(resp)
+
     def _work_loop(self) -> None:
         inbox, interp = self.inbox, self.interp
         while True:
-            batch = inbox.get()
-            if batch is None or not self.alive:
+            item = inbox.get()
+            if item is None or not self.alive:
                 break
             try:
-                interp.run_batch(batch)
+                interp.run_batch(*item)
             except Exception:  # never let one batch kill the worker
                 log.exception("session %s: batch failed", self.session_id.hex()[:8])
             finally:
@@ -138,15 +156,16 @@ class Session:
 
     def submit(self, batch: list[list[Any]]) -> bool:
         """On the loop: run a tiny, cheap batch inline when the worker is idle (True), else queue it."""
+        received = time.perf_counter() if self.interp.probe.active else 0.0
         if self.inline and self.queued == self.done and self.interp.cheap(batch):
             try:
                 with np.errstate(all="ignore"):
-                    self.interp.run_batch(batch)
+                    self.interp.run_batch(batch, received, True)
             except Exception:
                 log.exception("session %s: batch failed", self.session_id.hex()[:8])
             return True
         self.queued += 1
-        self.inbox.put(batch)
+        self.inbox.put((batch, received, False))
         return False
 
     def stop(self) -> None:
@@ -174,6 +193,7 @@ class Session:
             raise ProtocolError(f"a data frame from a client must carry one Upload, got {str(head)[:80]}")
         placed = self._placed.pop((head[1], head[4]), None) if not len(payload) else None
         head[5] = Placed(placed) if placed is not None else payload
+        self.bytes_in += placed or 0  # (the transport read those bytes straight into place)
         return head
 
 
@@ -192,9 +212,11 @@ async def _send_marked(session: Session, frame: Any) -> None:
     session.sending = True
     try:
         if isinstance(frame, bytes):
+            session.bytes_out += len(frame)
             await session.conn.send(frame)
         else:
             for parts in frame:
+                session.bytes_out += len(parts[0]) + len(parts[1])
                 await session.conn.send(parts)
     finally:
         session.sending = False
@@ -213,35 +235,42 @@ async def _send_now(session: Session) -> None:
 
 
 async def _handshake(server: SessionHost, conn: FrameConnection, first: bytes) -> dict[str, Any] | None:
-    """Judge Hello; answer Reject and return None when refused."""
+    """Judge Hello; answer Reject and return None when refused.
+
+    A Hello marked ``admin`` (``ember top`` / ``ember status``) is judged by the server's admin
+    check (admin token or allowlisted iroh peer id) instead of its authorizer.
+    """
     try:
         hello = codec.decode_hello(first)
     except ProtocolError as e:
-        log.info("refused %s: %s", conn.remote, e.message)
-        await conn.send(codec.encode_reject(m.REJECT_PROTOCOL, e.message))
-        return None
+        return await _refuse(server, conn, m.REJECT_PROTOCOL, e.message)
     if hello["protocol"] != m.PROTOCOL_VERSION:
         reason = (f"protocol version mismatch: the client speaks version {hello['protocol']}, "
                   f"this peer speaks version {m.PROTOCOL_VERSION}")
-        log.warning("refused %s: %s", conn.remote, reason)
-        await conn.send(codec.encode_reject(m.REJECT_VERSION, reason, server_protocol=m.PROTOCOL_VERSION))
-        return None
+        return await _refuse(server, conn, m.REJECT_VERSION, reason, server_protocol=m.PROTOCOL_VERSION)
     n = len(server.backends)
     if not 0 <= hello["device"] < n:
-        await conn.send(codec.encode_reject(
-            m.REJECT_DEVICE, f"no device {hello['device']}: this peer hosts {n} device(s) (indices 0..{n - 1})",
-            device_count=n))
-        return None
-    reason = server.authorize(conn.peer_id, hello["device"], hello["credential"])
+        return await _refuse(server, conn, m.REJECT_DEVICE,
+                             f"no device {hello['device']}: this peer hosts {n} device(s) (indices 0..{n - 1})",
+                             device_count=n)
+    if hello.get("admin"):
+        reason = server.authorize_admin(conn.peer_id, hello["credential"])
+    else:
+        reason = server.authorize(conn.peer_id, hello["device"], hello["credential"])
     if reason is not None:
-        log.info("authorizer refused %s: %s", conn.peer_id or conn.remote, reason)
-        await conn.send(codec.encode_reject(m.REJECT_UNAUTHORIZED, reason))
-        return None
-    if len(server.sessions) >= server.max_sessions:
-        await conn.send(codec.encode_reject(
-            m.REJECT_FULL, f"this peer is full ({server.max_sessions} sessions); try again later"))
-        return None
+        return await _refuse(server, conn, m.REJECT_UNAUTHORIZED, reason)
+    if len(server.sessions) >= server.max_sessions and not hello.get("admin"):  # an operator may look at a full peer
+        return await _refuse(server, conn, m.REJECT_FULL,
+                             f"this peer is full ({server.max_sessions} sessions); try again later")
     return hello
+
+
+async def _refuse(server: SessionHost, conn: FrameConnection, code: str, reason: str, **extra: Any) -> None:
+    # the session log (server/session_log.py) reports every refusal; a version mismatch also warns here
+    log.log(logging.WARNING if code == m.REJECT_VERSION else logging.DEBUG, "refused %s (%s): %s",
+            conn.peer_id or conn.remote, code, reason)
+    server.telemetry.session_refused(conn.peer_id, conn.remote, code, reason)
+    await conn.send(codec.encode_reject(code, reason, **extra))
 
 
 async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
@@ -252,12 +281,13 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
             return
         request = _transfer_request(first)
         if request is not None:
-            await serve_transfer(server.transfers, conn, request, server.limits["chunk"])
+            await serve_transfer(server.transfers, conn, request, server.limits["chunk"], server.telemetry)
             await _close_quietly(conn)
             return
         hello = await _handshake(server, conn, first)
     except asyncio.TimeoutError:
         log.info("%s sent nothing within %.0f s", conn.remote, HANDSHAKE_TIMEOUT)
+        server.telemetry.session_refused(conn.peer_id, conn.remote, "timeout", "no Hello within the handshake timeout")
         hello = None
     except (ConnectionError, EmberError, OSError) as e:
         log.info("handshake with %s failed: %s", conn.remote, e)
@@ -269,6 +299,8 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
     session = Session(server, conn, hello, loop)
     server.sessions[session.session_id] = session
     sender = asyncio.ensure_future(_send_loop(session))
+    server.telemetry.session_opened(session)
+    reason, why = "disconnected", "the client closed the connection"
     try:
         await conn.send(codec.encode_welcome(
             peer_id=server.peer_id, devices=server.device_info(), device=session.device_index,
@@ -279,6 +311,8 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
             frame = await conn.recv()
             if frame is None:
                 break
+            session.bytes_in += len(frame)
+            session.batches += 1
             try:
                 if codec.is_data(frame) and session.data:
                     batch = [session.data_message(frame)]
@@ -287,9 +321,16 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
             except ProtocolError as e:  # garbage mid-session: say why, end this session only
                 log.info("session %s: %s", session.session_id.hex()[:8], e.message)
                 session.outbox.put_nowait(codec.packb([[0, m.ERROR, to_wire(e)]]))
+                reason, why = "protocol_error", e.message
+                server.telemetry.error(session.label, type(e).__name__, type(e).__name__, None, e.message, False)
                 break
             if len(batch) == 1 and batch[0][0] == m.PING:
                 session.outbox.put_nowait(codec.packb([[batch[0][1], m.OK, None]]))
+                continue
+            if len(batch) == 1 and batch[0][0] == m.STATS:  # answered at once, even while the worker is busy
+                resp = server.figures.answer(session, batch[0])
+                if resp is not None:
+                    session.outbox.put_nowait(codec.packb([resp]))
                 continue
             if batch[0][0] == m.EXPOSE:  # sent alone: downloads may wait for the worker to reach it
                 for msg in batch:
@@ -299,9 +340,13 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
             if session.submit(batch) and not session.sending:
                 await _send_now(session)
             if batch[-1][0] == m.CLOSE:
+                reason, why = "client_closed", "closed by the client"
                 break
+        else:
+            reason, why = "lost", "the connection broke while sending"
     except (ConnectionError, OSError, asyncio.IncompleteReadError) as e:
         log.info("session %s lost: %s", session.session_id.hex()[:8], e)
+        reason, why = "lost", f"connection lost: {e}"
     finally:
         session.stop()
         server.sessions.pop(session.session_id, None)
@@ -311,6 +356,9 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
         except Exception:
             sender.cancel()
         await _close_quietly(conn)
+        if server.telemetry.stopping and reason != "client_closed":
+            reason, why = "server_stopping", "the peer shut down"
+        server.telemetry.session_closed(session, reason, why)
 
 
 def _transfer_request(first: bytes) -> dict[str, Any] | None:

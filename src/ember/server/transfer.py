@@ -28,6 +28,7 @@ from ..protocol import codec
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
 from .backends import Backend
+from .telemetry import OFF
 
 log = logging.getLogger("ember.server.transfer")
 
@@ -144,29 +145,41 @@ def convert(value: Any, src: Backend, dst: Backend) -> Any:
 
 # ---- the transfer stream: source side (async, on the server loop) ---------------------
 
-async def serve_transfer(hub: TransferHub, conn: FrameConnection, request: dict[str, Any], chunk: int) -> None:
+async def serve_transfer(hub: TransferHub, conn: FrameConnection, request: dict[str, Any], chunk: int,
+                         probe: Any = None) -> None:
     """Answer one download request on ``conn`` (the first frame was ``request``)."""
+    probe = probe or OFF
+    who = conn.peer_id or conn.remote
     cap = request.get("capability")
     if not isinstance(cap, bytes) or len(cap) != 32:
+        probe.transfer(None, who, "serve", "failed", error="malformed capability")
         await conn.send(codec.packb({"type": "denied", "reason": "malformed capability"}))
         return
+    t0 = time.monotonic()
     try:
         value, backend = await asyncio.to_thread(hub.claim, cap, conn.peer_id, float(request.get("wait", 300.0)))
         host = await asyncio.to_thread(backend.to_host, value)
     except TransferError as e:
-        log.info("transfer to %s denied: %s", conn.peer_id or conn.remote, e.message)
+        log.info("transfer to %s denied: %s", who, e.message)
+        probe.transfer(None, who, "serve", "failed", error=e.message)
         await conn.send(codec.packb({"type": "denied", "reason": e.message}))
         return
     flat = memoryview(host.reshape(-1).view(np.uint8))
     data = m.DATA_FEATURE in codec.agreed_features(request.get("features"))
-    await conn.send(codec.packb({"type": "ok", "dtype": host.dtype.name, "shape": list(host.shape),
-                                 "total": len(flat), "features": [m.DATA_FEATURE] if data else []}))
-    if data:  # data frames: the target can read each chunk straight into place
-        for parts in codec.chunk_frames(flat, chunk):
-            await conn.send(parts)
-        return
-    for off in range(0, len(flat), chunk):  # a target that speaks no data frames: raw chunks
-        await conn.send(flat[off:off + chunk])
+    probe.transfer(None, who, "serve", "started", len(flat))
+    try:
+        await conn.send(codec.packb({"type": "ok", "dtype": host.dtype.name, "shape": list(host.shape),
+                                     "total": len(flat), "features": [m.DATA_FEATURE] if data else []}))
+        if data:  # data frames: the target can read each chunk straight into place
+            for parts in codec.chunk_frames(flat, chunk):
+                await conn.send(parts)
+        else:  # a target that speaks no data frames: raw chunks
+            for off in range(0, len(flat), chunk):
+                await conn.send(flat[off:off + chunk])
+    except (ConnectionError, OSError) as e:
+        probe.transfer(None, who, "serve", "failed", len(flat), time.monotonic() - t0, f"the stream broke: {e}")
+        raise
+    probe.transfer(None, who, "serve", "completed", len(flat), time.monotonic() - t0)
 
 
 # ---- target side ----------------------------------------------------------------------
@@ -292,6 +305,9 @@ class TransferOps:
     def fetch(self, msg: list[Any], out: list[list[Any]]) -> None:
         _, tid, source, cap, timeout = msg
         interp = self.interp
+        probe, scope, peer = interp.probe, "device" if source is None else "fetch", None if source is None else str(source)
+        t0 = time.monotonic()
+        probe.transfer(interp.label, peer, scope, "started")
         try:
             if source is None:
                 e = self.hub.take_local(bytes(cap), float(timeout))
@@ -304,8 +320,11 @@ class TransferOps:
                 value = interp.backend.from_host(fut.result(2 * float(timeout) + UNANNOUNCED_WAIT + 10.0))
             interp.tensors[tid] = value
             interp.poison.pop(tid, None)
+            probe.transfer(interp.label, peer, scope, "completed", int(getattr(value, "nbytes", 0)),
+                           time.monotonic() - t0)
         except Exception as e:
             message = e.message if isinstance(e, TransferError) else f"{type(e).__name__}: {e}"
+            probe.transfer(interp.label, peer, scope, "failed", 0, time.monotonic() - t0, message)
             from .interpreter import Poison
             interp.tensors.pop(tid, None)
             interp.poison[tid] = Poison({"kind": "TransferError", "op": "to_device",

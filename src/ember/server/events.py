@@ -1,0 +1,178 @@
+"""Telemetry events: what the probe (``server/telemetry.py``) delivers to its subscribers.
+
+Session events are dataclasses (rare); ``Batch`` carries one batch's messages in columns and
+``Op`` (a named tuple, cheap to build) is one message, unpacked from a ``Batch`` by ``unpack``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from ..protocol import messages as m
+
+KINDS = tuple(n.lower() for n in m.KIND_NAMES)
+"""Message kind names as telemetry reports them (``op``, ``upload``, ``read``, ...)."""
+
+
+@dataclass(slots=True)
+class SessionOpened:
+    t: float
+    session: str            # 32 hex characters (the client's random session id)
+    peer: str | None        # authenticated iroh peer id, None over WebSocket and the memory link
+    remote: str             # address as the transport names it
+    transport: str          # memory | websocket | iroh
+    device: int
+    admin: bool
+
+
+@dataclass(slots=True)
+class SessionClosed:
+    t: float
+    session: str
+    peer: str | None
+    remote: str
+    transport: str
+    device: int
+    admin: bool
+    duration_s: float
+    reason: str             # client_closed | disconnected | lost | protocol_error | server_stopping
+    why: str                # the same, in words
+    figures: dict[str, int]  # see ``counters``
+
+
+@dataclass(slots=True)
+class SessionRefused:
+    t: float
+    peer: str | None
+    remote: str
+    code: str               # a handshake reject code (unauthorized, device, version, full, protocol)
+    reason: str
+
+
+@dataclass(slots=True)
+class Error:
+    t: float
+    session: str
+    kind: str               # the error kind a reader gets (RemoteExecutionError, ProtocolError, ...)
+    cause: str              # the exception type behind it (ValueError, LimitExceeded, ...)
+    op: str | None
+    message: str
+    poisoned: bool          # outputs were poisoned (an op failed), else a malformed message was answered
+
+
+@dataclass(slots=True)
+class Transfer:
+    t: float
+    session: str | None     # None for a download served to another peer
+    peer: str | None        # the other end: source address (fetch) or downloading peer id (serve)
+    scope: str              # device (same peer) | fetch (download from a peer) | serve (upload to one)
+    phase: str              # started | completed | failed
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class GraphMissed:
+    t: float
+    session: str
+    gid: int                # a REPLAY named a graph the session's cache did not hold (NEED_GRAPH)
+
+
+@dataclass(slots=True)
+class GraphEvicted:
+    t: float
+    session: str
+    count: int              # graphs the LRU evicted when one was registered
+
+
+@dataclass(slots=True)
+class Batch:
+    """One batch a session ran, message by message, in columns (cheap to build: two appends a message).
+
+    ``names[i]``: message i's op name (OP messages) or None; ``times[i]``: ``perf_counter()`` when it
+    finished (``start`` when the batch began); ``extras[i]``: ``(kind, name, nbytes, ops, saved_bytes)``
+    for every message that is not an OP (reads, uploads, graphs, replays, ...); ``outputs[i]``: an
+    OP's ``(id, shape, dtype)`` outputs, only while a subscriber asked for ``shapes``.
+    """
+
+    t: float                # wall-clock time the batch finished
+    session: str
+    wait_s: float           # from the frame's arrival to the start of its execution
+    run_s: float
+    inline: bool            # run by the network loop (tiny, cheap batches), else by the session's worker
+    start: float
+    names: list[Any]
+    times: list[float]
+    extras: dict[int, tuple[Any, ...]]
+    outputs: dict[int, list[tuple[int, tuple[int, ...], str]]] | None = None
+
+    @property
+    def messages(self) -> int:
+        return len(self.times)
+
+    def seconds(self) -> list[float]:
+        """Each message's execution time."""
+        prev, out = self.start, []
+        for t in self.times:
+            out.append(t - prev)
+            prev = t
+        return out
+
+    def ops(self) -> list["Op"]:
+        """The messages as ``Op`` events (``wait_s`` counts from the batch's arrival)."""
+        return unpack(self)
+
+
+class Op(NamedTuple):
+    """One message a session ran (a named tuple: cheap to build, one per op)."""
+
+    t: float                # wall-clock time it finished
+    session: str
+    kind: str               # a name of ``KINDS``
+    name: Any               # op name (op, custom, aten), graph id (graph, replay), else None
+    wait_s: float           # from the batch's arrival to this message's start
+    seconds: float
+    nbytes: int = 0         # upload / read payload, graph wire bytes, replay binding bytes (estimated)
+    ops: int = 1            # ops run: 1, a replay's graph size, 0 for data and control messages
+    saved_bytes: int = 0    # wire bytes a replay saved against sending its ops one by one
+    outputs: list[tuple[int, tuple[int, ...], str]] | None = None  # (id, shape, dtype) with shapes=True
+
+
+@dataclass(slots=True)
+class Missed:
+    t: float
+    count: int              # events dropped since the subscriber's previous read (its queue was full)
+
+
+SESSION_EVENTS = frozenset({"SessionOpened", "SessionClosed", "SessionRefused", "Error", "Transfer",
+                            "GraphMissed", "GraphEvicted"})
+OP_EVENTS = frozenset({"Batch", "Op"})
+EVENTS = SESSION_EVENTS | OP_EVENTS
+
+
+
+def unpack(b: Batch) -> list[Op]:
+    """A ``Batch`` as ``Op`` events (``wait_s`` counts from the batch's arrival)."""
+    out = []
+    append, new = out.append, tuple.__new__
+    wall = b.t - b.run_s - b.start  # perf_counter -> wall clock
+    prev, wait, extras, outputs = b.start, b.wait_s, b.extras, b.outputs
+    session = b.session
+    for i, (name, t) in enumerate(zip(b.names, b.times)):
+        dt = t - prev
+        x = extras.get(i) if extras else None
+        if x is None:
+            append(new(Op, (wall + t, session, "op", name, wait, dt, 0, 1, 0, outputs.get(i) if outputs else None)))
+        else:
+            kind = x[0]
+            append(new(Op, (wall + t, session, KINDS[kind] if 0 <= kind < len(KINDS) else str(kind), x[1], wait, dt,
+                            x[2], x[3], x[4], None)))
+        wait += dt
+        prev = t
+    return out
+
+
+__all__ = ["KINDS", "SESSION_EVENTS", "OP_EVENTS", "EVENTS", "SessionOpened", "SessionClosed", "SessionRefused",
+           "Error", "Transfer", "GraphMissed", "GraphEvicted", "Batch", "Op", "Missed", "unpack"]
