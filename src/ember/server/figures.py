@@ -67,6 +67,11 @@ class Histogram:
         return out
 
 
+def _vetted_aten(name: str) -> bool:
+    from .aten import refusal  # (imports torch: only asked on peers with a torch device)
+    return refusal(name) is None
+
+
 def _fields(ev: Any) -> dict[str, Any]:
     return {f: getattr(ev, f) for f in ev.__slots__}
 
@@ -103,6 +108,8 @@ class Figures:
         self.payload: Counter[str] = Counter()         # read | upload -> bytes
         self._sub: Subscription | None = None
         self._known = frozenset().union(*server.tables)  # op names this peer offers
+        self._torch = any(b.kind == "torch" for b in server.backends)
+        self._vetted: dict[str, bool] = {}
 
     # ---- subscribing ------------------------------------------------------------------
     def start(self, ops: bool = False) -> None:
@@ -173,20 +180,32 @@ class Figures:
             except TypeError:  # an unhashable name (a malformed OP): count it as "other"
                 by_name = Counter(x if isinstance(x, str) else "other" for x in names)
             by_name.pop(None, None)
-            known, custom = self._known, self.server.custom_ops
             for name, k in by_name.items():
-                ops["op", name if type(name) is str and (name in known or name in custom) else "other"] += k
+                ops["op", self.label(name)] += k
         for i, (kind, name, nbytes, n_run, _saved) in extras.items():
             k = KINDS[kind] if 0 <= kind < len(KINDS) else str(kind)
             self.messages[k] += 1
             seconds.setdefault(k, Histogram()).observe(float(dts[i]))
-            if kind in _OP_KINDS:  # label only names this peer knows (a client may send anything)
-                known = type(name) is str and (name in self._known or name in self.server.custom_ops)
-                ops[k, name if known else "other"] += 1
+            if kind in _OP_KINDS:
+                ops[k, self.label(name)] += 1
             elif kind == _REPLAY:
                 ops["replay", ""] += n_run
             elif nbytes and (kind == _READ or kind == _UPLOAD):
                 payload[k] += nbytes
+
+    def label(self, name: Any) -> str:
+        """``name`` as a metric label when this peer offers such an op, else ``"other"``: a client may
+        send any name, and must not grow the label set (ATen names: vetted overloads only)."""
+        if type(name) is not str:
+            return "other"
+        if name in self._known or name in self.server.custom_ops:
+            return name
+        ok = self._vetted.get(name)
+        if ok is None:
+            ok = self._torch and name.startswith("aten.") and _vetted_aten(name)
+            if len(self._vetted) < 8192:
+                self._vetted[name] = ok
+        return name if ok else "other"
 
     def aggregates(self) -> dict[str, Any]:
         """Copies of the op-event aggregates (histograms as ``(cumulative buckets, sum)``)."""

@@ -211,7 +211,7 @@ def consume(sub: Subscription, handle: Callable[[Any], None], name: str, poll: f
 
 def transport_of(conn: Any) -> str:
     name = type(conn).__name__
-    return {"MemoryConnection": "memory", "WebSocketConnection": "websocket",
+    return {"MemoryConnection": "memory", "WebSocketConnection": "websocket", "TcpConnection": "tcp",
             "IrohConnection": "iroh"}.get(name, name.lower())
 
 
@@ -399,8 +399,9 @@ class Recorder:
 def _extra(kind: int, msg: list[Any], interp: Any) -> tuple[Any, ...]:
     """``(kind, name, nbytes, ops, saved_bytes)`` of a non-OP message (malformed ones: only the kind)."""
     try:
-        if kind == m.UPLOAD:
-            return (kind, None, len(msg[5]), 0, 0)
+        if kind == m.UPLOAD:  # the bytes, or a Placed(n) the transport read straight into place
+            data = msg[5]
+            return (kind, None, data.n if hasattr(data, "n") else len(data), 0, 0)
         if kind == m.READ:
             return (kind, None, int(getattr(interp.tensors.get(msg[2]), "nbytes", 0)), 0, 0)
         if kind == m.GRAPH or kind == m.REPLAY:
