@@ -42,7 +42,7 @@ def _log_options(p: argparse.ArgumentParser, top: bool) -> None:
 
 
 def _admin_client_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("address", help="the peer: ws://HOST:PORT, wss://..., or an iroh ticket")
+    p.add_argument("address", help="the peer: ws://HOST:PORT, tcp://HOST:PORT, wss://..., or an iroh ticket")
     p.add_argument("--token", default=None, help="the peer's admin token (default: $EMBER_ADMIN_TOKEN)")
     p.add_argument("--key", default=None, metavar="PATH",
                    help="present this iroh identity (a peer allowlisted with ember serve --admin-peer)")
