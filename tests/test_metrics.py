@@ -78,7 +78,7 @@ def test_serve_metrics_reports_sessions_ops_bytes_memory_and_errors():
         def check():
             f = scrape(url)
             assert value(f, "ember_build_info", version=ember.__version__) == 1
-            assert value(f, "ember_sessions_open", device="cpu") == 1
+            assert value(f, "ember_sessions_open", device="0", spec="cpu") == 1
             assert value(f, "ember_sessions_opened") == 1
             assert value(f, "ember_sessions_refused", reason="unauthorized") == 1
             assert value(f, "ember_ops", kind="op", name="multiply") == 50
@@ -89,8 +89,8 @@ def test_serve_metrics_reports_sessions_ops_bytes_memory_and_errors():
             assert value(f, "ember_errors", kind="RemoteExecutionError") == 1
             assert value(f, "ember_received_bytes", transport="websocket") > 8000
             assert value(f, "ember_sent_bytes", transport="websocket") > 8000
-            assert value(f, "ember_memory_held_bytes", device="cpu") >= 8000
-            assert value(f, "ember_tensors_held", device="cpu") >= 2
+            assert value(f, "ember_memory_held_bytes", device="0", spec="cpu") >= 8000
+            assert value(f, "ember_tensors_held", device="0", spec="cpu") >= 2
             assert value(f, "ember_op_duration_seconds", "ember_op_duration_seconds_count", kind="op") == 100  # the histogram's count
             assert value(f, "ember_uptime_seconds") > 0
             return f
@@ -105,8 +105,8 @@ def test_serve_metrics_reports_sessions_ops_bytes_memory_and_errors():
         def closed():
             f = scrape(url)
             assert value(f, "ember_sessions_closed", reason="client_closed") == 1
-            assert value(f, "ember_sessions_open", device="cpu") == 0
-            assert value(f, "ember_memory_held_bytes", device="cpu") == 0
+            assert value(f, "ember_sessions_open", device="0", spec="cpu") == 0
+            assert value(f, "ember_memory_held_bytes", device="0", spec="cpu") == 0
             assert value(f, "ember_received_bytes", transport="websocket") > 8000  # kept after the close
         eventually(closed)
     finally:
@@ -115,7 +115,7 @@ def test_serve_metrics_reports_sessions_ops_bytes_memory_and_errors():
 
 
 def test_metric_names_follow_prometheus_conventions():
-    srv = Server(["cpu"])
+    srv = Server(["cpu", "cpu"])  # two devices of one spec: their samples must stay apart
     srv.listen_websocket("127.0.0.1", 0)
     srv.listen_metrics("127.0.0.1", 0)
     srv.start_in_thread()
@@ -127,6 +127,9 @@ def test_metric_names_follow_prometheus_conventions():
     finally:
         srv.close()
     assert len(fams) >= 25
+    samples = [(s.name, tuple(sorted(s.labels.items()))) for f in fams.values() for s in f.samples]
+    assert len(samples) == len(set(samples)), "duplicate samples"
+    assert value(fams, "ember_memory_held_bytes", device="1", spec="cpu") == 0
     for name, fam in fams.items():
         assert re.fullmatch(r"ember_[a-z_]+", name), name
         if fam.type == "counter":

@@ -73,6 +73,20 @@ def _rates(snap: dict[str, Any], prev: dict[str, Any] | None) -> dict[str, tuple
 NARROW = ("session", "peer / address", "dev", "ops/s", "ops", "held", "last error")
 
 
+def _finished(transfers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Transfers, each once: its last phase (a "started" only while nothing followed it)."""
+    out, done = [], set()
+    for t in reversed(transfers):
+        key = (t["session"], t["scope"], t["peer"])
+        if t["phase"] == "started" and key in done:
+            done.discard(key)
+            continue
+        if t["phase"] != "started":
+            done.add(key)
+        out.append(t)
+    return out[::-1]
+
+
 def render(snap: dict[str, Any], prev: dict[str, Any] | None, address: str, note: str = "",
            title: str = "ember top", rates: bool = True, width: int = 160) -> Any:
     """One frame: header, devices, sessions, recent transfers and errors, totals.
@@ -108,7 +122,7 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None, address: str, note
         cols = [c for c in cols if c in NARROW]
     for col in cols:
         sess.add_column(col, justify="left" if col in ("session", "peer / address", "last error") else "right",
-                        no_wrap=col != "last error", overflow="ellipsis")
+                        no_wrap=True, overflow="ellipsis", max_width=60 if col == "last error" else None)
     for r in sorted(snap["sessions"], key=lambda r: -r["ops"]):
         rate = per_s.get(r["id"])
         lookups = r["graph_hits"] + r["graph_misses"]
@@ -122,7 +136,7 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None, address: str, note
         sess.add_row(*(cells[c] for c in cols))
 
     parts: list[Any] = [head, Text(""), devs, Text(""), sess]
-    transfers = snap["recent"]["transfers"][-5:]
+    transfers = _finished(snap["recent"]["transfers"])[-5:]
     if transfers:
         tt = Table(title="recent transfers", title_justify="left", box=None, pad_edge=False)
         for col in ("time", "session", "scope", "phase", "bytes", "seconds", "peer", "error"):

@@ -50,7 +50,7 @@ def _collector(server: Any) -> Any:
             snap = fig.snapshot("server")
             agg = fig.aggregates()
             tot = snap["totals"]
-            specs = [d["spec"] for d in snap["devices"]]
+            devs = [(str(d["index"]), d["spec"]) for d in snap["devices"]]  # labels: device index and spec
             info = InfoMetricFamily("ember_build", "Ember's version, protocol and Python")
             info.add_metric([], {"version": __version__, "protocol": str(m.PROTOCOL_VERSION),
                                  "python": platform.python_version()})
@@ -59,10 +59,10 @@ def _collector(server: Any) -> Any:
                         [((), fig.started)])
             yield gauge("ember_uptime_seconds", "Seconds since this peer started", [], [((), snap["uptime_s"])])
             # sessions
-            open_by = {s: 0 for s in specs}
+            open_by = {d: 0 for d in devs}
             for r in snap["sessions"]:
-                open_by[specs[r["device"]]] += 1
-            yield gauge("ember_sessions_open", "Sessions open now", ["device"], open_by.items())
+                open_by[devs[r["device"]]] += 1
+            yield gauge("ember_sessions_open", "Sessions open now", ["device", "spec"], open_by.items())
             yield counter("ember_sessions_opened", "Sessions accepted", [], [((), tot["sessions_opened"])])
             yield counter("ember_sessions_refused", "Sessions refused at the handshake, by reason", ["reason"],
                           tot["sessions_refused"].items())
@@ -99,14 +99,14 @@ def _collector(server: Any) -> Any:
             yield counter("ember_errors", "Errors: poisoned ops and malformed messages, by kind", ["kind"],
                           tot["errors"].items())
             # memory
-            yield gauge("ember_memory_held_bytes", "Bytes of tensors the sessions hold, by device", ["device"],
-                        [(d["spec"], d["bytes_held"]) for d in snap["devices"]])
-            yield gauge("ember_tensors_held", "Tensors the sessions hold, by device", ["device"],
-                        [(d["spec"], d["tensors"]) for d in snap["devices"]])
-            yield gauge("ember_device_memory_bytes", "A device's total memory, where the backend says", ["device"],
-                        [(d["spec"], d["memory"]) for d in snap["devices"] if d["memory"]])
+            yield gauge("ember_memory_held_bytes", "Bytes of tensors the sessions hold, by device",
+                        ["device", "spec"], [(devs[d["index"]], d["bytes_held"]) for d in snap["devices"]])
+            yield gauge("ember_tensors_held", "Tensors the sessions hold, by device", ["device", "spec"],
+                        [(devs[d["index"]], d["tensors"]) for d in snap["devices"]])
+            yield gauge("ember_device_memory_bytes", "A device's total memory, where the backend says",
+                        ["device", "spec"], [(devs[d["index"]], d["memory"]) for d in snap["devices"] if d["memory"]])
             yield gauge("ember_session_memory_held_bytes", "Bytes of tensors one session holds",
-                        ["session", "device"], [((r["id"][:8], specs[r["device"]]), r["bytes_held"])
+                        ["session", "device"], [((r["id"][:8], str(r["device"])), r["bytes_held"])
                                                 for r in snap["sessions"]])
             yield counter("ember_telemetry_dropped_events", "Telemetry events dropped by slow subscribers", [],
                           [((), snap["telemetry"]["dropped"])])
