@@ -7,6 +7,8 @@ Session events are dataclasses (rare); ``Batch`` carries one batch's messages in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate, repeat
+from operator import sub
 from typing import Any, NamedTuple
 
 from ..protocol import messages as m
@@ -87,14 +89,18 @@ class GraphEvicted:
     count: int              # graphs the LRU evicted when one was registered
 
 
-@dataclass(slots=True)
-class Batch:
+class Batch(NamedTuple):
     """One batch a session ran, message by message, in columns (cheap to build: two appends a message).
 
-    ``names[i]``: message i's op name (OP messages) or None; ``times[i]``: ``perf_counter()`` when it
-    finished (``start`` when the batch began); ``extras[i]``: ``(kind, name, nbytes, ops, saved_bytes)``
-    for every message that is not an OP (reads, uploads, graphs, replays, ...); ``outputs[i]``: an
+    ``names[i]``: message i's op name (OP messages) or None; ``times``: the ``perf_counter()`` at
+    which each message finished, as packed doubles (``seconds()`` turns them into durations;
+    ``start`` is when the batch began); ``extras``: ``(i, kind, name, nbytes, ops, saved_bytes)`` for
+    every message i that is not an OP (reads, uploads, graphs, replays, ...); ``outputs[i]``: an
     OP's ``(id, shape, dtype)`` outputs, only while a subscriber asked for ``shapes``.
+
+    Queued as a plain tuple of tuples, bytes and numbers, which the garbage collector stops
+    tracking once it has seen it: events waiting in a queue would otherwise make its full
+    collections frequent, and those cost a busy server more than recording the events does.
     """
 
     t: float                # wall-clock time the batch finished
@@ -103,19 +109,23 @@ class Batch:
     run_s: float
     inline: bool            # run by the network loop (tiny, cheap batches), else by the session's worker
     start: float
-    names: list[Any]
-    times: list[float]
-    extras: dict[int, tuple[Any, ...]]
+    names: tuple[Any, ...]
+    times: bytes            # doubles, native byte order
+    extras: tuple[tuple[Any, ...], ...]
     outputs: dict[int, list[tuple[int, tuple[int, ...], str]]] | None = None
 
     @property
     def messages(self) -> int:
-        return len(self.times)
+        return len(self.names)
+
+    def ends(self) -> memoryview:
+        """``times`` as floats."""
+        return memoryview(self.times).cast("d")
 
     def seconds(self) -> list[float]:
         """Each message's execution time."""
         prev, out = self.start, []
-        for t in self.times:
+        for t in self.ends():
             out.append(t - prev)
             prev = t
         return out
@@ -154,24 +164,33 @@ EVENTS = SESSION_EVENTS | OP_EVENTS
 
 
 def unpack(b: Batch) -> list[Op]:
-    """A ``Batch`` as ``Op`` events (``wait_s`` counts from the batch's arrival)."""
-    out = []
-    append, new = out.append, tuple.__new__
+    """A ``Batch`` as ``Op`` events (``wait_s`` counts from the batch's arrival); built column by
+    column, the rows in one C-level pass (about 0.15 µs an op)."""
+    n = len(b.names)
+    if not n:
+        return []
+    ends = b.ends().tolist()
+    starts = [b.start, *ends[:-1]]
+    secs = list(map(sub, ends, starts))
+    waits = list(accumulate(secs[:-1], initial=b.wait_s))
     wall = b.t - b.run_s - b.start  # perf_counter -> wall clock
-    prev, wait, extras, outputs = b.start, b.wait_s, b.extras, b.outputs
-    session = b.session
-    for i, (name, t) in enumerate(zip(b.names, b.times)):
-        dt = t - prev
-        x = extras.get(i) if extras else None
-        if x is None:
-            append(new(Op, (wall + t, session, "op", name, wait, dt, 0, 1, 0, outputs.get(i) if outputs else None)))
-        else:
-            kind = x[0]
-            append(new(Op, (wall + t, session, KINDS[kind] if 0 <= kind < len(KINDS) else str(kind), x[1], wait, dt,
-                            x[2], x[3], x[4], None)))
-        wait += dt
-        prev = t
-    return out
+    ts = [wall + t for t in ends]
+    kinds: list[str] = ["op"] * n
+    nbytes: list[int] = [0] * n
+    ops: list[int] = [1] * n
+    saved: list[int] = [0] * n
+    names: Any = b.names
+    if b.extras:
+        names = list(names)
+        for i, kind, name, nb, n_run, sv in b.extras:
+            kinds[i] = KINDS[kind] if 0 <= kind < len(KINDS) else str(kind)
+            names[i], nbytes[i], ops[i], saved[i] = name, nb, n_run, sv
+    outputs: Any = repeat(None) if not b.outputs else [b.outputs.get(i) for i in range(n)]
+    return list(map(_new, repeat(Op), zip(ts, repeat(b.session), kinds, names, waits, secs, nbytes, ops, saved,
+                                          outputs)))
+
+
+_new = tuple.__new__
 
 
 __all__ = ["KINDS", "SESSION_EVENTS", "OP_EVENTS", "EVENTS", "SessionOpened", "SessionClosed", "SessionRefused",

@@ -14,6 +14,7 @@ session; anyone may ask) or ``server`` (the whole peer; admin sessions only).
 from __future__ import annotations
 
 import platform
+import struct
 import threading
 import time
 from bisect import bisect_left
@@ -32,6 +33,7 @@ from .telemetry import KINDS, SESSION_EVENTS, Batch, Error, SessionClosed, Sessi
 BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
            0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _EDGES = np.asarray(BUCKETS)
+_DOUBLE = struct.Struct("d")
 _OP_KINDS = frozenset({m.OP, m.CUSTOM, m.ATEN})
 _READ, _UPLOAD, _REPLAY = m.READ, m.UPLOAD, m.REPLAY
 
@@ -107,6 +109,9 @@ class Figures:
         self.batches: Counter[str] = Counter()         # inline | worker
         self.payload: Counter[str] = Counter()         # read | upload -> bytes
         self._sub: Subscription | None = None
+        self._pending: list[bytes] = []  # op durations not binned yet: packed batch starts and ends
+        self._skip: list[int] = []       # their positions that are not op messages
+        self._pending_n = 0
         self._known = frozenset().union(*server.tables)  # op names this peer offers
         self._torch = any(b.kind == "torch" for b in server.backends)
         self._vetted: dict[str, bool] = {}
@@ -159,21 +164,19 @@ class Figures:
         n = len(names)
         if not n:
             return
-        seconds, ops, payload = self.seconds, self.ops, self.payload
-        dts: Any = np.diff(np.asarray(b.times), prepend=b.start) if n >= 32 else b.seconds()  # NumPy pays off
+        ops = self.ops
         n_ops = n - len(extras)
-        if n_ops:
-            hist = seconds.setdefault("op", Histogram())
-            if n < 32:
-                for i, dt in enumerate(dts):
-                    if i not in extras:
-                        hist.observe(dt)
-            elif extras:
-                keep = np.ones(n, dtype=bool)
-                keep[list(extras)] = False
-                hist.add(dts[keep])
-            else:
-                hist.add(dts)
+        if n_ops:  # op durations: kept packed, binned in bulk by _flush (NumPy once per ~32k ops)
+            base = self._pending_n
+            self._pending.append(_DOUBLE.pack(b.start))
+            self._pending.append(b.times)
+            skip = self._skip
+            skip.append(base)  # the batch's start is not a message
+            for x in extras:
+                skip.append(base + 1 + x[0])
+            self._pending_n = base + n + 1
+            if self._pending_n >= 32768:
+                self._flush()
             self.messages["op"] += n_ops
             try:
                 by_name = Counter(names)
@@ -182,16 +185,32 @@ class Figures:
             by_name.pop(None, None)
             for name, k in by_name.items():
                 ops["op", self.label(name)] += k
-        for i, (kind, name, nbytes, n_run, _saved) in extras.items():
+        if not extras:
+            return
+        ends, seconds, payload = b.ends(), self.seconds, self.payload
+        for i, kind, name, nbytes, n_run, _saved in extras:
             k = KINDS[kind] if 0 <= kind < len(KINDS) else str(kind)
             self.messages[k] += 1
-            seconds.setdefault(k, Histogram()).observe(float(dts[i]))
+            seconds.setdefault(k, Histogram()).observe(ends[i] - (ends[i - 1] if i else b.start))
             if kind in _OP_KINDS:
                 ops[k, self.label(name)] += 1
             elif kind == _REPLAY:
                 ops["replay", ""] += n_run
             elif nbytes and (kind == _READ or kind == _UPLOAD):
                 payload[k] += nbytes
+
+    def _flush(self) -> None:
+        """Bin the pending op durations (under the lock)."""
+        if not self._pending_n:
+            return
+        t = np.frombuffer(b"".join(self._pending), dtype=np.float64)
+        d = np.empty_like(t)
+        d[0] = 0.0
+        np.subtract(t[1:], t[:-1], out=d[1:])
+        keep = np.ones(len(t), dtype=bool)
+        keep[self._skip] = False
+        self.seconds.setdefault("op", Histogram()).add(d[keep])
+        self._pending, self._skip, self._pending_n = [], [], 0
 
     def label(self, name: Any) -> str:
         """``name`` as a metric label when this peer offers such an op, else ``"other"``: a client may
@@ -210,6 +229,7 @@ class Figures:
     def aggregates(self) -> dict[str, Any]:
         """Copies of the op-event aggregates (histograms as ``(cumulative buckets, sum)``)."""
         with self._lock:
+            self._flush()
             return {"messages": dict(self.messages), "ops": dict(self.ops), "batches": dict(self.batches),
                     "payload": dict(self.payload), "wait": (self.wait.cumulative(), self.wait.sum),
                     "seconds": {k: (h.cumulative(), h.sum) for k, h in self.seconds.items()}}

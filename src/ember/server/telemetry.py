@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from array import array
 import time
 from collections import Counter, deque
 from typing import Any, Callable, Iterable, Iterator
@@ -49,6 +50,7 @@ from ..protocol import messages as m
 from .events import (EVENTS, KINDS, OP_EVENTS, SESSION_EVENTS, Batch, Error, GraphEvicted, GraphMissed,  # noqa: F401
                      Missed, Op, SessionClosed, SessionOpened, SessionRefused, Transfer, unpack)
 DEFAULT_CAPACITY = 4096
+_new = tuple.__new__
 
 
 # ---- subscriptions ---------------------------------------------------------------------
@@ -103,7 +105,8 @@ class Subscription:
                 ev = self._q.popleft()
             except IndexError:
                 return None
-            if type(ev) is Batch:
+            if type(ev) is tuple:  # a Batch, as queued by Probe.batch
+                ev = _new(Batch, ev)
                 if self._unpack:
                     ready.extend(unpack(ev))
                 if self._batches:
@@ -152,7 +155,10 @@ class Subscription:
             self._waiting = False
 
     def __iter__(self) -> Iterator[Any]:
+        ready = self._ready
         while True:
+            while ready and not self._unreported:  # the unpacked ops of a Batch, without a call each
+                yield ready.popleft()
             ev = self.get()
             if ev is None:
                 return
@@ -349,8 +355,9 @@ class Probe:
     def batch(self, session: str, rec: "Recorder", received: float, inline: bool) -> None:
         """A batch ran: deliver it to the subscribers of op events."""
         end = rec.times[-1] if rec.times else rec.start
-        ev = Batch(time.time(), session, rec.start - received if received else 0.0, end - rec.start, inline,
-                   rec.start, rec.names, rec.times, rec.extras, rec.outputs)
+        # queued as a plain tuple, which the garbage collector stops tracking (a Batch is built on reading)
+        ev = (time.time(), session, rec.start - received if received else 0.0, end - rec.start, inline,
+              rec.start, tuple(rec.names), rec.times.tobytes(), tuple(rec.extras), rec.outputs)
         for s in self.subscribers:
             if s.ops:
                 s.put(ev)
@@ -371,15 +378,15 @@ class Recorder:
 
     def __init__(self, shapes: bool) -> None:
         self.names: list[Any] = []
-        self.times: list[float] = []
-        self.extras: dict[int, tuple[Any, ...]] = {}
+        self.times = array("d")
+        self.extras: list[tuple[Any, ...]] = []
         self.outputs: dict[int, list[tuple[int, tuple[int, ...], str]]] | None = {} if shapes else None
         self.start = time.perf_counter()
 
     def other(self, kind: int, msg: list[Any], interp: Any) -> None:
         """A message that is not an OP finished."""
         self.times.append(time.perf_counter())
-        self.extras[len(self.names)] = _extra(kind, msg, interp)
+        self.extras.append((len(self.names), *_extra(kind, msg, interp)))
         self.names.append(None)
 
     def add_outputs(self, tensors: dict[int, Any], msg: list[Any]) -> None:
