@@ -154,3 +154,17 @@ def test_metrics_bind_failure_is_a_bind_error():
     finally:
         s.close()
         srv.close()
+
+
+def test_op_labels_are_only_names_the_peer_offers():
+    torch = pytest.importorskip("torch")  # noqa: F841 - a torch:cpu device vets ATen names
+    srv = Server(["cpu", "torch:cpu"])
+    srv.register_op("my_op", lambda xp, x: x)
+    label = srv.figures.label
+    assert label("add") == "add" and label("linalg.inv") == "linalg.inv" and label("my_op") == "my_op"
+    assert label("aten.add.Tensor") == "aten.add.Tensor"  # a vetted ATen overload
+    for hostile in ("__import__", "aten.from_file.default", "aten.nope.x", "x" * 10_000, ["add"], None, 7):
+        assert label(hostile) == "other"
+    for i in range(10_000):  # a flood of distinct names does not grow what is remembered without bound
+        label(f"aten.fake{i}.default")
+    assert len(srv.figures._vetted) <= 8192
