@@ -120,20 +120,26 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None, address: str, note
         cols = [c for c in cols if not c.endswith("/s")]
     if width < 120:
         cols = [c for c in cols if c in NARROW]
-    for col in cols:
-        sess.add_column(col, justify="left" if col in ("session", "peer / address", "last error") else "right",
-                        no_wrap=True, overflow="ellipsis", max_width=60 if col == "last error" else None)
+    rows = []
     for r in sorted(snap["sessions"], key=lambda r: -r["ops"]):
         rate = per_s.get(r["id"])
         lookups = r["graph_hits"] + r["graph_misses"]
         hits = f"{100 * r['graph_hits'] / lookups:.0f}% of {_count(lookups)}" if lookups else "—"
         shown = [_count(rate[0]), _size(rate[1]) + "/s", _size(rate[2]) + "/s"] if rate else ["…"] * 3
-        cells = {"session": r["id"][:8] + (" (admin)" if r["admin"] else ""), "peer / address": _short(_who(r), 32),
-                 "dev": str(r["device"]), "age": _age(r["age_s"]), "ops/s": shown[0], "in/s": shown[1],
-                 "out/s": shown[2], "ops": _count(r["ops"]), "tensors": f"{r['tensors']:,}",
-                 "held": _size(r["bytes_held"]), "graph hits": hits,
-                 "last error": Text(_short(r["last_error"], 60), style="red") if r["last_error"] else "—"}
-        sess.add_row(*(cells[c] for c in cols))
+        rows.append({"session": r["id"][:8] + ("*" if r["admin"] else ""), "peer / address": _short(_who(r), 32),
+                     "dev": str(r["device"]), "age": _age(r["age_s"]), "ops/s": shown[0], "in/s": shown[1],
+                     "out/s": shown[2], "ops": _count(r["ops"]), "tensors": f"{r['tensors']:,}",
+                     "held": _size(r["bytes_held"]), "graph hits": hits, "last error": r["last_error"] or "—"})
+    for col in cols:  # figures keep their width; the address and the error give way on a narrow terminal
+        flexible = col in ("peer / address", "last error")
+        fit = max([len(col)] + [len(row[col]) for row in rows])
+        sess.add_column(col, justify="left" if col in ("session", "peer / address", "last error") else "right",
+                        no_wrap=True, overflow="ellipsis", min_width=None if flexible else fit,
+                        max_width=48 if col == "last error" else None)
+    for row in rows:
+        sess.add_row(*(Text(row[c], style="red") if c == "last error" and row[c] != "—" else row[c] for c in cols))
+    if any(r["admin"] for r in snap["sessions"]):
+        sess.caption, sess.caption_justify = "* an admin session (ember top, ember status)", "left"
 
     parts: list[Any] = [head, Text(""), devs, Text(""), sess]
     transfers = _finished(snap["recent"]["transfers"])[-5:]
