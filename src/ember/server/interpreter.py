@@ -168,12 +168,6 @@ class Interpreter:
         h[m.EXPOSE], h[m.FETCH], h[m.MOVE] = ops.expose, ops.fetch, ops.move
         self.handlers = tuple(h)
 
-    def set_handler(self, kind: int, handler: Callable[[list[Any], list[list[Any]]], None]) -> None:
-        """Route message ``kind`` to ``handler`` (the session installs STATS this way)."""
-        h = list(self.handlers)
-        h[kind] = handler
-        self.handlers = tuple(h)
-
     # ---- batch ---------------------------------------------------------------
     def cheap(self, batch: list[list[Any]]) -> bool:
         """Is this batch certainly cheap to run (bounded microseconds, nothing that can wait)?

@@ -105,7 +105,9 @@ class Session:
         if self.data and set_sink is not None:
             set_sink(self.sink)
         self.interp.probe, self.interp.label = server.telemetry, self.label
-        self.interp.set_handler(m.STATS, self.stats)
+        handlers = list(self.interp.handlers)
+        handlers[m.STATS] = self.stats  # (the pump answers a lone STATS itself)
+        self.interp.handlers = tuple(handlers)
         self.worker = threading.Thread(target=self._work, name=f"ember-session-{self.session_id.hex()[:8]}",
                                        daemon=True)
         server.live.add(self)
