@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 from typing import Any, Iterator
@@ -11,6 +12,7 @@ import pytest
 
 import ember
 import ember.array_api as xp
+from ember.array_api._array import DLDeviceType
 from ember.protocol import messages as m
 from ember.server import Server
 from ember.server.backends import BackendUnavailable, make_backend
@@ -18,23 +20,34 @@ from ember.server.backends import BackendUnavailable, make_backend
 xs = pytest.importorskip("array_api_strict")
 
 STRICT_ONLY = {"ArrayAPIStrictFlags", "Device", "__version__", "get_array_api_strict_flags",
-               "reset_array_api_strict_flags", "set_array_api_strict_flags", "isin"}
+               "reset_array_api_strict_flags", "set_array_api_strict_flags"}
+ADDED_2025 = {"isin", "broadcast_shapes"}
+ADDED_2025_LINALG = {"eig", "eigvals"}
 
 
 def test_every_name_of_the_standard() -> None:
-    """Every function, constant and dtype of 2024.12, the linalg and fft extensions, every array member."""
-    xs.set_array_api_strict_flags(api_version="2024.12")
+    """Every function, constant and dtype of 2025.12, the linalg and fft extensions, every array member;
+    the 2024.12 namespace has 2024.12's names and not those added since."""
+    xs.set_array_api_strict_flags(api_version="2025.12")
     missing = [n for n in xs.__all__ if n not in STRICT_ONLY and not hasattr(xp, n)]
     assert not missing, missing
-    assert not [n for n in xs.linalg.__all__ if not hasattr(xp.linalg, n)]
+    linalg = set(xs.linalg.__all__) | ADDED_2025_LINALG  # (array-api-strict 2.6 leaves eig out of __all__)
+    assert all(callable(getattr(xs.linalg, n)) for n in linalg)
+    assert not [n for n in linalg if not hasattr(xp.linalg, n)]
     assert not [n for n in xs.fft.__all__ if not hasattr(xp.fft, n)]
+    assert ADDED_2025 <= set(xp.__all__) and ADDED_2025_LINALG <= set(xp.linalg.__all__)
+    v = xp.ones(1).__array_namespace__(api_version="2024.12")
+    assert v.__array_api_version__ == "2024.12" and v is not xp
+    assert not [n for n in xs.__all__ if n not in STRICT_ONLY | ADDED_2025 and not hasattr(v, n)]
+    assert not [n for n in ADDED_2025 if hasattr(v, n)] and not [n for n in ADDED_2025_LINALG if hasattr(v.linalg, n)]
+    assert v.linalg.svd is xp.linalg.svd and v.fft is xp.fft and v.sum is xp.sum
     members = {n for n in dir(type(xs.asarray(1))) if not n.startswith("_") or n.startswith("__") and n not in
                ("__annotations__", "__buffer__", "__class__", "__delattr__", "__dir__", "__doc__", "__format__",
                 "__getattribute__", "__getstate__", "__init__", "__init_subclass__", "__module__", "__new__",
                 "__reduce__", "__reduce_ex__", "__setattr__", "__sizeof__", "__slots__", "__str__",
                 "__subclasshook__", "__weakref__", "__repr__", "__hash__")}
     assert not [n for n in members if not hasattr(xp.Array, n)]
-    assert xp.__array_api_version__ == "2024.12"
+    assert xp.__array_api_version__ == "2025.12"
     assert (xp.e, xp.pi, xp.newaxis) == (np.e, np.pi, None) and np.isinf(xp.inf) and np.isnan(xp.nan)
 
 
@@ -90,9 +103,13 @@ def test_array_api_compat_sees_ember(two_peers: tuple[ember.Device, Any]) -> Non
     assert compat.device(x) is dev and x.device is dev
     assert compat.size(x) == 6
     assert compat.to_device(x, dev) is x
-    assert x.__array_namespace__(api_version="2024.12") is xp
-    with pytest.raises(ValueError):
+    assert x.__array_namespace__() is xp and x.__array_namespace__(api_version="2025.12") is xp
+    assert x.__array_namespace__(api_version="2024.12").__array_api_version__ == "2024.12"
+    assert x.__array_namespace__(api_version="2023.12") is x.__array_namespace__(api_version="2024.12")
+    with pytest.raises(ValueError, match="2025.12"):
         x.__array_namespace__(api_version="1999.01")
+    with pytest.raises(TypeError):
+        x.__array_namespace__(api_version=2025.12)
 
 
 def test_missing_dtype_refused_before_sending(two_peers: tuple[ember.Device, Any]) -> None:
@@ -153,7 +170,13 @@ def test_no_round_trip_for_shapes(two_peers: tuple[ember.Device, Any]) -> None:
                                                                                   axis=2),
                 xp.broadcast_to(a[0], (5, 3, 4)), xp.meshgrid(a[0, 0], a[0, :, 0])[1], xp.unstack(a, axis=1)[2],
                 xp.searchsorted(xp.arange(5.0, device=dev), a), xp.count_nonzero(a, axis=0), xp.clip(a, 1.0, 3.0),
-                xp.asarray([a[0, 0, 0], a[1, 2, 3]])]
+                xp.asarray([a[0, 0, 0], a[1, 2, 3]]),
+                # 2025.12
+                xp.isin(a, xp.asarray([1.0, 5.0], device=dev)), xp.isin(3, a), xp.expand_dims(a, axis=(0, -1, 2)),
+                xp.permute_dims(a, (-1, 0, -2)), xp.searchsorted(xp.arange(5.0, device=dev), 2.5),
+                xp.linalg.eig(m2)[1], xp.linalg.eigvals(m2), xp.broadcast_arrays(a, a[0])[1],
+                xp.clip(a, 1, xp.full((4,), 2.0, device=dev))]
+        assert xp.broadcast_shapes(a.shape, (5, 1, 1, 1)) == (5, 2, 3, 4) and xp.broadcast_shapes() == ()
         shapes = [o.shape for o in outs]
     assert r.kinds == [], "functions whose shape depends only on input shapes must not ask the peer"
     for o, s in zip(outs, shapes):
@@ -175,23 +198,63 @@ def test_data_dependent_shapes_cost_one_round_trip(two_peers: tuple[ember.Device
             assert o.to_numpy().shape == o.shape
 
 
+class _DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):  # the head of the DLPack 1.x struct, up to its flags
+    _fields_ = [("version", _DLPackVersion), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p),
+                ("flags", ctypes.c_uint64)]
+
+
+def _versioned_flags(capsule: Any) -> tuple[tuple[int, int], int]:
+    """(DLPack version, flags) of a ``dltensor_versioned`` capsule, read with ctypes."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    t = _DLManagedTensorVersioned.from_address(get(capsule, b"dltensor_versioned"))
+    return (t.version.major, t.version.minor), t.flags
+
+
 def test_dlpack_through_host(two_peers: tuple[ember.Device, Any]) -> None:
+    """The standard's protocol: a host copy (kDLCPU) that NumPy and PyTorch consume; versioned capsules
+    flag the copy; what needs zero copy or another device raises BufferError."""
     dev = two_peers[0]
     host = np.arange(6.0).reshape(2, 3)
     x = xp.asarray(host, device=dev)
-    assert x.__dlpack_device__() == (1, 0)
-    np.testing.assert_array_equal(np.from_dlpack(x), host)
+    assert x.__dlpack_device__() == (1, 0) and x.__dlpack_device__()[0] is DLDeviceType.kDLCPU
+    for kw in ({}, {"copy": True}, {"device": "cpu"}, {"device": "cpu", "copy": None}):
+        got = np.from_dlpack(x, **kw)
+        np.testing.assert_array_equal(got, host)
+        assert got.flags.writeable
+    legacy = x.__dlpack__()
+    assert "dltensor" in repr(legacy) and "versioned" not in repr(legacy)
+    for mv in ((1, 0), (1, 9), (2, 0)):
+        version, flags = _versioned_flags(x.__dlpack__(max_version=mv, copy=None, dl_device=(1, 0)))
+        assert version[0] == 1 and flags & 0b10, "IS_COPIED must be set (and READ_ONLY not)"
+        assert not flags & 0b01
+    for kw in ({"copy": False}, {"dl_device": (2, 0)}, {"dl_device": (1, 1)}, {"stream": 1}):
+        with pytest.raises(BufferError):
+            x.__dlpack__(**kw)
+    for kw in ({"copy": "yes"}, {"dl_device": "cpu"}, {"max_version": 1}):
+        with pytest.raises(TypeError):
+            x.__dlpack__(**kw)
     with pytest.raises(BufferError):
-        x.__dlpack__(copy=False)
+        np.from_dlpack(x, copy=False)
     y = xp.from_dlpack(host, device=dev)
     assert isinstance(y, xp.Array) and y.device is dev
     np.testing.assert_array_equal(y.to_numpy(), host)
-    assert xp.from_dlpack(x) is x
+    assert xp.from_dlpack(x) is x and xp.from_dlpack(x, copy=False) is x
     with pytest.raises(BufferError):
         xp.from_dlpack(host, copy=False)
+    with pytest.raises(TypeError):
+        xp.from_dlpack([1, 2])
     torch = pytest.importorskip("torch")
-    np.testing.assert_array_equal(torch.from_dlpack(x).numpy(), host)
+    t = torch.from_dlpack(x)
+    np.testing.assert_array_equal(t.numpy(), host)
+    t += 1  # a writable copy: the remote value is untouched
+    np.testing.assert_array_equal(x.to_numpy(), host)
     np.testing.assert_array_equal(xp.from_dlpack(torch.arange(3.0), device=dev).to_numpy(), [0.0, 1.0, 2.0])
+    np.testing.assert_array_equal(xp.from_dlpack(torch.arange(4)[::2], device=dev).to_numpy(), [0, 2])
 
 
 def test_inplace_and_setitem_keep_identity(two_peers: tuple[ember.Device, Any]) -> None:

@@ -6,6 +6,7 @@ and dtype are computed locally, and the op joins the session's pending batch.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import numpy as np
@@ -19,8 +20,15 @@ from ._dtypes import DType
 _OP = m.OP
 _Scalar = (int, float, complex, bool)
 
-#: The namespace ``x.__array_namespace__()`` returns; ``ember.array_api`` puts itself here on import.
-NAMESPACE: list[Any] = []
+#: ``api_version`` -> the namespace ``x.__array_namespace__(api_version=...)`` returns; ``ember.array_api``
+#: fills it on import (None and "2025.12": itself; earlier versions: its 2024.12 form).
+NAMESPACES: dict[str | None, Any] = {}
+
+
+class DLDeviceType(enum.IntEnum):
+    """DLPack device types (``__dlpack_device__``): an ember array exports host copies only."""
+
+    kDLCPU = 1
 
 
 class RemoteArray:
@@ -79,9 +87,13 @@ class RemoteArray:
         return emit("matrix_transpose", [self], 0, None, self._shape[:-2] + self._shape[:-3:-1], self._dtype)
 
     def __array_namespace__(self, *, api_version: str | None = None) -> Any:
-        if api_version not in (None, "2021.12", "2022.12", "2023.12", "2024.12"):
-            raise ValueError(f"unsupported Array API version {api_version!r}")
-        return NAMESPACE[0]
+        if api_version is not None and type(api_version) is not str:
+            raise TypeError(f"api_version must be a string such as '2025.12', got {type(api_version).__name__}")
+        ns = NAMESPACES.get(api_version)
+        if ns is None:
+            raise ValueError(f"unsupported Array API version {api_version!r}; ember.array_api offers "
+                             f"{', '.join(sorted(v for v in NAMESPACES if v))}")
+        return ns
 
     # ---- reading -----------------------------------------------------------------
     def to_numpy(self, timeout: float | None = None, progress: bool | None = None) -> np.ndarray:
@@ -131,19 +143,42 @@ class RemoteArray:
     # ---- DLPack: through a host copy ---------------------------------------------
     def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
                    dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
-        """Export a host copy (the value lives on a peer: there is no zero-copy path)."""
+        """A DLPack capsule of a host copy (the value lives on a peer: there is no zero-copy path).
+
+        The capsule is a DLPack 1.x ``DLManagedTensorVersioned`` with the IS_COPIED flag when the
+        consumer passes ``max_version >= (1, 0)``, else a legacy 0.x capsule; its device is kDLCPU.
+        """
         if copy is False:
             raise BufferError("an ember array lives on a compute peer; DLPack export needs a host copy "
                               "(copy=False cannot be honoured)")
-        if dl_device is not None and dl_device[0] != 1:
-            raise BufferError(f"ember exports DLPack tensors on the host (kDLCPU) only, not {dl_device}")
-        host = np.array(self.to_numpy())  # writable: DLPack consumers may not honour read-only flags
-        if max_version is None:
-            return host.__dlpack__()
-        return host.__dlpack__(max_version=max_version)
+        if copy is not None and type(copy) is not bool:
+            raise TypeError(f"__dlpack__: copy must be None or a bool, got {type(copy).__name__}")
+        if dl_device is not None:
+            try:
+                kind, index = dl_device
+                ok = int(kind) == DLDeviceType.kDLCPU and int(index) == 0
+            except (TypeError, ValueError):
+                raise TypeError(f"__dlpack__: dl_device must be a (device type, index) pair, got {dl_device!r}") \
+                    from None
+            if not ok:
+                raise BufferError(f"ember exports DLPack tensors on the host (kDLCPU, 0) only, not {dl_device}")
+        if stream is not None:
+            raise BufferError(f"__dlpack__: the export is a host (kDLCPU) tensor, which takes stream=None only, "
+                              f"not {stream!r}")
+        versioned = False
+        if max_version is not None:
+            try:
+                versioned = int(max_version[0]) >= 1
+            except (TypeError, ValueError, IndexError):
+                raise TypeError(f"__dlpack__: max_version must be a (major, minor) pair, got {max_version!r}") \
+                    from None
+        host = self.to_numpy()  # read-only: the bytes as they arrived
+        if versioned:  # NumPy copies (writable) and flags the capsule IS_COPIED
+            return host.__dlpack__(max_version=(1, 0), copy=True)
+        return np.array(host).__dlpack__()  # DLPack 0.x cannot signal read-only: a writable copy
 
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (1, 0)  # kDLCPU: the exported capsule is a host copy
+    def __dlpack_device__(self) -> tuple[DLDeviceType, int]:
+        return (DLDeviceType.kDLCPU, 0)  # the exported capsule is a host copy
 
     # ``x[key]`` / ``x[key] = v`` are installed by ``_indexing``, ``x.to_device`` by ``_transfer``,
     # ``repr(x)`` / ``str(x)`` (the values, read once) by ``_display``
@@ -239,6 +274,8 @@ def same_device(*arrays: RemoteArray) -> None:
 
 
 def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    if not shapes:
+        return ()
     n = max(len(s) for s in shapes)
     out = []
     for i in range(-n, 0):
@@ -435,5 +472,5 @@ RemoteArray.__invert__ = lambda self: unary("bitwise_invert", self)  # type: ign
 
 # ``@`` / ``@=`` are installed by ``_linalg`` (imported with the package), next to ``matmul``.
 
-__all__ = ["RemoteArray", "scalar_array", "emit", "emit_multi", "emit_dynamic", "emit_dynamic_multi", "unary", "binary", "broadcast_shapes",
+__all__ = ["RemoteArray", "DLDeviceType", "scalar_array", "emit", "emit_multi", "emit_dynamic", "emit_dynamic_multi", "unary", "binary", "broadcast_shapes",
            "same_device"]

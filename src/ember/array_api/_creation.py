@@ -63,16 +63,24 @@ def upload(arr: np.ndarray, dev: Any, progress: bool | None = None) -> RemoteArr
 def _host(obj: Any, dtype: DType | None) -> np.ndarray:
     """Host data for ``obj`` (NumPy array, buffer, DLPack producer, nested sequence or scalar)."""
     if not isinstance(obj, np.ndarray) and hasattr(obj, "__dlpack__") and not isinstance(obj, _PY_SCALARS):
-        try:
-            obj = np.from_dlpack(obj)
-        except (BufferError, RuntimeError, TypeError):  # a device tensor NumPy cannot import
-            obj = np.asarray(obj)
+        obj = _from_dlpack(obj)
     if isinstance(obj, (list, tuple)) and any(isinstance(v, RemoteArray) for v in obj):
         obj = [np.asarray(v) for v in obj]
     arr = np.asarray(obj, dtype=dtype.np if dtype is not None else None)
     if arr.dtype.name not in d.BY_NAME:
         raise TypeError(f"asarray: NumPy dtype {arr.dtype} is not an Array API dtype; pass dtype=")
     return arr
+
+
+def _from_dlpack(obj: Any) -> Any:
+    """A DLPack producer's data on the host: asked for a host copy (DLPack 1.x ``dl_device``) where it
+    lives elsewhere, else imported as it is, else through NumPy's ``__array__``."""
+    for kw in ({"device": "cpu"}, {}):
+        try:
+            return np.from_dlpack(obj, **kw)
+        except (BufferError, RuntimeError, TypeError, ValueError):  # an older producer, or a device tensor
+            continue
+    return np.asarray(obj)
 
 
 def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: bool | None = None,
@@ -216,11 +224,11 @@ def full_like(x: RemoteArray, /, fill_value: bool | int | float | complex, *, dt
     return _like("full_like", x, dtype, device, fill_value=fill_value)
 
 
-def meshgrid(*arrays: RemoteArray, indexing: str = "xy") -> list[RemoteArray]:
+def meshgrid(*arrays: RemoteArray, indexing: str = "xy") -> tuple[RemoteArray, ...]:
     if indexing not in ("xy", "ij"):
         raise ValueError(f"meshgrid indexing must be 'xy' or 'ij', got {indexing!r}")
     if not arrays:
-        return []
+        return ()
     same_device(*arrays)
     if len({a.dtype for a in arrays}) > 1:
         raise ValueError("meshgrid inputs must all have the same dtype")
@@ -230,7 +238,7 @@ def meshgrid(*arrays: RemoteArray, indexing: str = "xy") -> list[RemoteArray]:
     if indexing == "xy" and len(shape) > 1:
         shape[0], shape[1] = shape[1], shape[0]
     spec = (tuple(shape), arrays[0].dtype)
-    return list(emit_multi("meshgrid", list(arrays), {"indexing": indexing}, [spec] * len(arrays)))
+    return emit_multi("meshgrid", list(arrays), {"indexing": indexing}, [spec] * len(arrays))
 
 
 def _triangle(name: str, x: RemoteArray, k: int) -> RemoteArray:

@@ -23,12 +23,14 @@ class Info:
         return {"boolean indexing": True, "data-dependent shapes": True, "max dimensions": 64}
 
     def default_device(self) -> Any:
+        """The device of calls without ``device=`` (2025.12 allows None where that is unpredictable; it
+        never is here: the innermost ``with dev:``, else ``set_default_device``, else ``local``)."""
         return resolve(None)
 
-    def devices(self) -> list[Any]:
+    def devices(self) -> tuple[Any, ...]:
         """The default device and every device arrays were created on in this process."""
         default = resolve(None)
-        return [default] + [dev for dev in list(KNOWN) if dev is not default]
+        return (default,) + tuple(dev for dev in list(KNOWN) if dev is not default)
 
     def default_dtypes(self, *, device: Any = None) -> dict[str, d.DType]:
         if device is not None:

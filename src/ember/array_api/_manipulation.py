@@ -6,7 +6,8 @@ import math
 from typing import Any, Sequence
 
 from . import _dtypes as d
-from ._array import RemoteArray, broadcast_shapes, emit, emit_dynamic, emit_multi, same_device
+from . import _array
+from ._array import RemoteArray, emit, emit_dynamic, emit_multi, same_device
 from ._statistical import normalize_axis
 
 __all__ = ["broadcast_arrays", "broadcast_shapes", "broadcast_to", "concat", "expand_dims", "flip", "moveaxis",
@@ -26,17 +27,30 @@ def _promote_all(arrays: Sequence[RemoteArray]) -> d.DType:
     return dt
 
 
-def broadcast_arrays(*arrays: RemoteArray) -> list[RemoteArray]:
+def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape ``shapes`` broadcast to (2025.12); no shapes give ``()``. Computed here, no round trip."""
+    norm = []
+    for i, s in enumerate(shapes):
+        if isinstance(s, (str, bytes)) or not hasattr(s, "__iter__"):
+            raise TypeError(f"broadcast_shapes: shape {i} must be a tuple of ints, got {type(s).__name__}")
+        dims = tuple(s)
+        if any(type(n) is not int or n < 0 for n in dims):
+            raise TypeError(f"broadcast_shapes: shape {i} must hold non-negative ints, got {dims!r}")
+        norm.append(dims)
+    return _array.broadcast_shapes(*norm)
+
+
+def broadcast_arrays(*arrays: RemoteArray) -> tuple[RemoteArray, ...]:
     if not arrays:
-        return []
+        return ()
     same_device(*arrays)
-    shape = broadcast_shapes(*(a.shape for a in arrays))
-    return list(emit_multi("broadcast_arrays", list(arrays), None, [(shape, a.dtype) for a in arrays]))
+    shape = _array.broadcast_shapes(*(a.shape for a in arrays))
+    return emit_multi("broadcast_arrays", list(arrays), None, [(shape, a.dtype) for a in arrays])
 
 
 def broadcast_to(x: RemoteArray, /, shape: Sequence[int]) -> RemoteArray:
     shape = tuple(int(n) for n in shape)
-    if len(shape) < _arr("broadcast_to", x).ndim or broadcast_shapes(x.shape, shape) != shape:
+    if len(shape) < _arr("broadcast_to", x).ndim or _array.broadcast_shapes(x.shape, shape) != shape:
         raise ValueError(f"cannot broadcast an array of shape {x.shape} to {shape}")
     return emit("broadcast_to", [x], 0, {"shape": list(shape)}, shape, x.dtype)
 
@@ -77,13 +91,15 @@ def moveaxis(x: RemoteArray, source: int | Sequence[int], destination: int | Seq
     return emit("permute_dims", [x], 0, {"axes": order}, tuple(x.shape[a] for a in order), x.dtype)
 
 
-def expand_dims(x: RemoteArray, /, axis: int = 0) -> RemoteArray:
-    n = _arr("expand_dims", x).ndim + 1
-    if not -n <= axis < n:
-        raise IndexError(f"expand_dims axis {axis} out of range for {x.ndim} dims")
-    a = axis % n
-    shape = x.shape[:a] + (1,) + x.shape[a:]
-    return emit("expand_dims", [x], 0, {"axis": a}, shape, x.dtype)
+def expand_dims(x: RemoteArray, /, axis: int | tuple[int, ...] = 0) -> RemoteArray:
+    """Insert singleton dims at ``axis`` (2025.12: or at each of a tuple of positions in the result)."""
+    _arr("expand_dims", x)
+    several = type(axis) is tuple
+    axes = normalize_axis(axis, x.ndim + (len(axis) if several else 1))
+    shape = list(x.shape)
+    for a in sorted(axes):
+        shape.insert(a, 1)
+    return emit("expand_dims", [x], 0, {"axis": sorted(axes) if several else axes[0]}, tuple(shape), x.dtype)
 
 
 def squeeze(x: RemoteArray, /, axis: int | tuple[int, ...]) -> RemoteArray:

@@ -52,24 +52,32 @@ def nonzero(x: RemoteArray, /) -> tuple[RemoteArray, ...]:
     return emit_dynamic_multi("nonzero", [x], None, [(None, d.DEFAULT_INDEX)] * x.ndim)
 
 
-def searchsorted(x1: RemoteArray, x2: RemoteArray, /, *, side: str = "left",
+def searchsorted(x1: RemoteArray, x2: RemoteArray | int | float, /, *, side: str = "left",
                  sorter: RemoteArray | None = None) -> RemoteArray:
-    _arr("searchsorted", x1), _arr("searchsorted", x2)
+    """Insertion indices of ``x2`` in sorted ``x1``; 2025.12: ``x2`` may be a Python scalar (a 0-d result)."""
+    _arr("searchsorted", x1)
     if x1.ndim != 1:
         raise ValueError(f"searchsorted: x1 must be one-dimensional, got {x1.ndim} dims")
     if side not in ("left", "right"):
         raise ValueError(f"searchsorted: side must be 'left' or 'right', got {side!r}")
-    if x1.dtype not in d.REAL_NUMERIC or x2.dtype not in d.REAL_NUMERIC:
-        raise TypeError(f"searchsorted needs real numeric inputs, got {x1.dtype} and {x2.dtype}")
-    d.promote(x1.dtype, x2.dtype)
-    if sorter is not None:
-        same_device(x1, x2, sorter)
-        if sorter.dtype not in d.INTEGER or sorter.shape != x1.shape:
-            raise TypeError("searchsorted: sorter must be an integer array of x1's shape")
-    else:
-        same_device(x1, x2)
-    smask = 4 if sorter is None else 0
-    return emit("searchsorted", [x1, x2, sorter], smask, {"side": side}, x2.shape, d.DEFAULT_INDEX)
+    scalar = type(x2) is not RemoteArray
+    if scalar:
+        if type(x2) not in (int, float):
+            raise TypeError(f"searchsorted: x2 must be an ember array, an int or a float, got {type(x2).__name__}")
+        d.scalar_ok(x1.dtype, x2)
+    if x1.dtype not in d.REAL_NUMERIC or not scalar and x2.dtype not in d.REAL_NUMERIC:
+        raise TypeError(f"searchsorted needs real numeric inputs, got {x1.dtype} and "
+                        f"{type(x2).__name__ if scalar else x2.dtype}")
+    if not scalar:
+        d.promote(x1.dtype, x2.dtype)
+    others = [a for a in (x2, sorter) if type(a) is RemoteArray]
+    same_device(x1, *others)
+    if sorter is not None and (type(sorter) is not RemoteArray or sorter.dtype not in d.INTEGER
+                               or sorter.shape != x1.shape):
+        raise TypeError("searchsorted: sorter must be an integer ember array of x1's shape")
+    smask = (2 if scalar else 0) | (4 if sorter is None else 0)
+    shape = () if scalar else x2.shape
+    return emit("searchsorted", [x1, x2, sorter], smask, {"side": side}, shape, d.DEFAULT_INDEX)
 
 
 def where(condition: RemoteArray, x1: Any, x2: Any, /) -> RemoteArray:

@@ -1,7 +1,7 @@
-"""Set functions: unique_all, unique_counts, unique_inverse, unique_values.
+"""Set functions: isin, unique_all, unique_counts, unique_inverse, unique_values.
 
-The number of unique values depends on the data: each costs one round trip (a SHAPE
-request for the first output sizes every output).
+The number of unique values depends on the data: each ``unique_*`` costs one round trip (a
+SHAPE request for the first output sizes every output). ``isin`` has ``x1``'s shape: no round trip.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from . import _dtypes as d
-from ._array import RemoteArray, emit_dynamic, emit_dynamic_multi
+from ._array import RemoteArray, emit, emit_dynamic, emit_dynamic_multi, same_device
 
-__all__ = ["unique_all", "unique_counts", "unique_inverse", "unique_values"]
+__all__ = ["isin", "unique_all", "unique_counts", "unique_inverse", "unique_values"]
 
 _I = d.DEFAULT_INDEX
 
@@ -37,6 +37,33 @@ def _arr(name: str, x: Any) -> RemoteArray:
     if type(x) is not RemoteArray:
         raise TypeError(f"{name} expects an ember array, got {type(x).__name__}")
     return x
+
+
+def isin(x1: RemoteArray | int, x2: RemoteArray | int, /, *, invert: bool = False) -> RemoteArray:
+    """Whether each element of ``x1`` is in ``x2`` (2025.12); bool, of ``x1``'s shape (0-d for a scalar x1).
+
+    Integer arrays as the standard says, and real floating-point ones too; bool and complex are refused
+    (PyTorch has no isin for them). A scalar follows the rules for mixing scalars and arrays.
+    """
+    a1, a2 = type(x1) is RemoteArray, type(x2) is RemoteArray
+    if not (a1 or a2):
+        raise TypeError(f"isin: at least one of x1 and x2 must be an ember array, got {type(x1).__name__} "
+                        f"and {type(x2).__name__}")
+    if type(invert) is not bool:
+        raise TypeError(f"isin: invert must be a bool, got {type(invert).__name__}")
+    for v, is_arr, other in ((x1, a1, x2), (x2, a2, x1)):
+        if is_arr:
+            if v.dtype not in d.REAL_NUMERIC:
+                raise TypeError(f"isin does not accept {v.dtype} inputs (integer or real floating-point only)")
+        elif type(v) not in (int, float):
+            raise TypeError(f"isin: x1 and x2 must be ember arrays, ints or floats, got {type(v).__name__}")
+        else:
+            d.scalar_ok(other.dtype, v)
+    if a1 and a2:
+        same_device(x1, x2)
+        d.promote(x1.dtype, x2.dtype)
+    smask = (0 if a1 else 1) | (0 if a2 else 2)
+    return emit("isin", [x1, x2], smask, {"invert": True} if invert else None, x1.shape if a1 else (), d.bool)
 
 
 def unique_all(x: RemoteArray, /) -> UniqueAllResult:

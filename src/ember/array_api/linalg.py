@@ -12,9 +12,14 @@ from ._array import RemoteArray, broadcast_shapes, emit, emit_multi, real_dtype,
 from ._linalg import matmul, matrix_transpose, tensordot, vecdot
 from ._statistical import accumulate_dtype, normalize_axis, reduced_shape
 
-__all__ = ["cholesky", "cross", "det", "diagonal", "eigh", "eigvalsh", "inv", "matmul", "matrix_norm",
+__all__ = ["cholesky", "cross", "det", "diagonal", "eig", "eigh", "eigvals", "eigvalsh", "inv", "matmul", "matrix_norm",
            "matrix_power", "matrix_rank", "matrix_transpose", "outer", "pinv", "qr", "slogdet", "solve", "svd",
            "svdvals", "tensordot", "trace", "vecdot", "vector_norm"]
+
+
+class EigResult(NamedTuple):
+    eigenvalues: RemoteArray
+    eigenvectors: RemoteArray
 
 
 class EighResult(NamedTuple):
@@ -83,6 +88,22 @@ def diagonal(x: RemoteArray, /, *, offset: int = 0) -> RemoteArray:
     m, n = x.shape[-2:]
     k = max(0, min(m, n - offset) if offset >= 0 else min(m + offset, n))
     return _op("diagonal", x, x.shape[:-2] + (k,), x.dtype, offset=offset)
+
+
+def _complex_of(dt: d.DType) -> d.DType:
+    return d.complex64 if dt in (d.float32, d.complex64) else d.complex128
+
+
+def eig(x: RemoteArray, /) -> EigResult:
+    """Eigenvalues and eigenvectors of a general square matrix (2025.12): complex, whatever x's dtype."""
+    _square("eig", x)
+    c = _complex_of(x.dtype)
+    return EigResult(*emit_multi("linalg.eig", [x], None, [(x.shape[:-1], c), (x.shape, c)]))
+
+
+def eigvals(x: RemoteArray, /) -> RemoteArray:
+    """Eigenvalues of a general square matrix (2025.12): complex, whatever x's dtype."""
+    return _op("eigvals", _square("eigvals", x), x.shape[:-1], _complex_of(x.dtype))
 
 
 def eigh(x: RemoteArray, /) -> EighResult:

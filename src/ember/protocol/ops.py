@@ -25,12 +25,12 @@ empty_like full_like ones_like zeros_like tril triu meshgrid astype
 take take_along_axis matmul matrix_transpose tensordot vecdot
 broadcast_arrays broadcast_to concat expand_dims flip moveaxis permute_dims repeat reshape roll
 squeeze stack tile unstack argmax argmin count_nonzero nonzero searchsorted where
-unique_all unique_counts unique_inverse unique_values argsort sort
+unique_all unique_counts unique_inverse unique_values isin argsort sort
 cumulative_prod cumulative_sum max mean min prod std sum var all any diff
 """.split())
 
 LINALG = frozenset("linalg." + n for n in """
-cholesky cross det diagonal eigh eigvalsh inv matmul matrix_norm matrix_power matrix_rank
+cholesky cross det diagonal eig eigh eigvals eigvalsh inv matmul matrix_norm matrix_power matrix_rank
 matrix_transpose outer pinv qr slogdet solve svd svdvals tensordot trace vecdot vector_norm
 """.split())
 

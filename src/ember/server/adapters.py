@@ -13,10 +13,13 @@ stays a dictionary lookup and a call.
   ``x``'s dtype; ``arange`` has exactly the length the client computed.
 * Backend gaps (PyTorch: negative slice steps, float ``correction``, ``unique_all``/
   ``unique_counts``/``unique_inverse``; JAX: immutable arrays for ``x[key] = v``).
+* Special cases of the standard that backends miss (``floor_divide`` with infinite operands,
+  complex ``expm1``, ``tanh`` and ``sqrt`` at infinite or NaN parts), fixed for every backend.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import numpy as _np
@@ -60,6 +63,35 @@ def common(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
     def with_rtol(f: Fn) -> Fn:
         return lambda x, rtol: f(x) if rtol is None else f(x, rtol=rtol)
 
+    def isin(a: Any, b: Any, **k: Any) -> Any:
+        """A scalar operand as a 0-d array of the other's dtype; both arrays of one dtype (torch wants that)."""
+        if not hasattr(a, "dtype"):
+            a = xp.asarray(a, dtype=b.dtype, device=dev)
+        elif not hasattr(b, "dtype"):
+            b = xp.asarray(b, dtype=a.dtype, device=dev)
+        elif a.dtype != b.dtype:
+            t = xp.result_type(a, b)
+            a, b = xp.astype(a, t), xp.astype(b, t)
+        return xp.asarray(xp.isin(a, b, **k))
+
+    def complex_eig(f: Fn, pair: bool) -> Fn:
+        """Eigen-decompositions of 2025.12 are complex whatever the input (NumPy's may be real)."""
+        def g(x: Any) -> Any:
+            r = f(x)
+            t = xp.complex64 if x.dtype in (xp.float32, xp.complex64) else xp.complex128
+            parts = tuple(p if p.dtype == t else xp.astype(p, t) for p in (r if pair else (r,)))
+            return parts if pair else parts[0]
+        return g
+
+    def expand_dims(x: Any, *, axis: Any) -> Any:
+        """Several axes (2025.12; the client sends them normalized, ascending) as one reshape."""
+        if type(axis) is int:
+            return xp.expand_dims(x, axis=axis)
+        shape = list(x.shape)
+        for a in sorted(axis):
+            shape.insert(a, 1)
+        return xp.reshape(x, tuple(shape))
+
     table.update({
         "arange": arange,
         "eye": lambda n, m, **k: xp.eye(n, m, device=dev, **k),
@@ -69,14 +101,115 @@ def common(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
         "astype": lambda x, dtype, **k: xp.astype(x, dtype, **k),  # dtype is positional-only there
         "clip": clip,
         "diff": diff,
-        "searchsorted": lambda a, v, sorter, **k: xp.searchsorted(a, v, sorter=sorter, **k),
+        "searchsorted": lambda a, v, sorter, **k: xp.asarray(xp.searchsorted(a, v, sorter=sorter, **k)),
         "count_nonzero": lambda x, **k: xp.asarray(xp.count_nonzero(x, **k)),
+        "isin": isin,
+        "expand_dims": expand_dims,
         "linalg.matrix_rank": with_rtol(xp.linalg.matrix_rank),
         "linalg.pinv": with_rtol(xp.linalg.pinv),
     })
+    for name, pair in (("eig", True), ("eigvals", False)):
+        f = getattr(xp.linalg, name, None)
+        if f is not None:
+            table["linalg." + name] = complex_eig(f, pair)
     for name in MULTI:
         if name in table:
             table[name] = _unwrap(table[name])
+    table["floor_divide"] = floor_divide_special_cases(xp, dev, table["floor_divide"])
+    table["expm1"] = expm1_special_cases(xp, dev, table["expm1"])
+    table["tanh"] = tanh_special_cases(xp, dev, table["tanh"])
+    table["sqrt"] = sqrt_special_cases(xp, dev, table["sqrt"])
+
+
+def promoted_setitem(xp: Any, f: Fn) -> Fn:
+    """2025.12: an array ``value`` is promoted to ``x``'s dtype (PyTorch's masked assignment wants equal dtypes)."""
+    def g(x: Any, value: Any, *arrays: Any, key: list[Any]) -> Any:
+        if hasattr(value, "dtype") and value.dtype != x.dtype:
+            value = xp.astype(value, x.dtype)
+        return f(x, value, *arrays, key=key)
+    return g
+
+
+# ---- special cases of the standard ---------------------------------------------------------
+
+def floor_divide_special_cases(xp: Any, dev: Any, f: Fn) -> Fn:
+    """The standard's real floating-point special cases: ``±inf // finite`` is ±infinity (NumPy and
+    PyTorch give NaN), ``finite // ±inf`` a signed zero (they give -1 for operands of different
+    signs), and every zero quotient is negative exactly when the operands' signs differ (JAX gives
+    -0 for ``-1 // -inf``)."""
+    def g(a: Any, b: Any) -> Any:
+        r = f(a, b)
+        if not xp.isdtype(r.dtype, "real floating"):
+            return r
+        a = xp.asarray(a, dtype=r.dtype, device=dev)
+        b = xp.asarray(b, dtype=r.dtype, device=dev)
+        r = xp.where(xp.isinf(a) & xp.isfinite(b) & (b != 0), a / b, r)
+        zero = xp.zeros_like(r)
+        r = xp.where(xp.isfinite(a) & xp.isinf(b), zero, r)
+        one = xp.ones_like(r)
+        return xp.where(r == 0, xp.copysign(zero, xp.copysign(one, a) * xp.copysign(one, b)), r)
+    return g
+
+
+def _complex(xp: Any, re: Any, neg_zero: Any) -> Any:
+    """``re + 0j``, the zero negative where ``neg_zero``: no complex arithmetic (``1j * inf`` is NaN)."""
+    z = xp.astype(re, xp.complex64 if re.dtype == xp.float32 else xp.complex128)
+    return xp.where(neg_zero, xp.conj(z), z)
+
+
+def expm1_special_cases(xp: Any, dev: Any, f: Fn) -> Fn:
+    """Complex ``expm1`` where the real part is ±infinity or NaN and the imaginary part 0, infinite or
+    NaN (NumPy and PyTorch give NaN + NaN j for most of these); other imaginary parts follow from
+    conjugate symmetry."""
+    def g(x: Any) -> Any:
+        r = f(x)
+        if not xp.isdtype(r.dtype, "complex floating"):
+            return r
+        a, b = xp.real(x), xp.imag(x)
+        pinf, ninf, anan = a == math.inf, a == -math.inf, xp.isnan(a)
+        bzero, bnan = b == 0, xp.isnan(b)
+        bbad = xp.isinf(b) | bnan
+        r = xp.where((ninf & bbad) | ((pinf | anan) & bzero),  # -1 + 0j, +inf ± 0j, NaN ± 0j
+                     _complex(xp, xp.where(ninf, xp.full_like(a, -1.0), a), xp.signbit(b) & ~bnan), r)
+        return xp.where(pinf & bbad, _const(xp, dev, complex(math.inf, math.nan), r.dtype), r)  # (not by adding:
+        # PyTorch's complex addition makes inf + nan j NaN + NaN j)
+    return g
+
+
+def tanh_special_cases(xp: Any, dev: Any, f: Fn) -> Fn:
+    """Complex ``tanh`` at real part ±infinity with a finite imaginary part b: ``±1 + 0j`` with the
+    zero's sign that of b (NumPy and PyTorch give -0 where sin(2b) < 0); at real part ±0 with b
+    infinite or NaN: ``±0 + NaN j`` (XLA gives NaN + NaN j)."""
+    def g(x: Any) -> Any:
+        r = f(x)
+        if not xp.isdtype(r.dtype, "complex floating"):
+            return r
+        a, b = xp.real(x), xp.imag(x)
+        r = xp.where(xp.isinf(a) & xp.isfinite(b), _complex(xp, xp.copysign(xp.ones_like(a), a), xp.signbit(b)), r)
+        zero_nan = xp.where(xp.signbit(a), _const(xp, dev, complex(-0.0, math.nan), r.dtype),
+                            _const(xp, dev, complex(0.0, math.nan), r.dtype))
+        return xp.where((a == 0) & ~xp.isfinite(b), zero_nan, r)
+    return g
+
+
+def sqrt_special_cases(xp: Any, dev: Any, f: Fn) -> Fn:
+    """Complex ``sqrt`` with an infinite imaginary part (``+inf ± inf j`` whatever the real part) or a
+    NaN imaginary and infinite real part (XLA gives NaN + NaN j for these)."""
+    def g(x: Any) -> Any:
+        r = f(x)
+        if not xp.isdtype(r.dtype, "complex floating"):
+            return r
+        a, b = xp.real(x), xp.imag(x)
+        c = lambda v: _const(xp, dev, v, r.dtype)  # noqa: E731
+        r = xp.where(xp.isinf(b), xp.where(b > 0, c(complex(math.inf, math.inf)), c(complex(math.inf, -math.inf))), r)
+        bnan = xp.isnan(b)
+        r = xp.where(bnan & (a == math.inf), c(complex(math.inf, math.nan)), r)
+        return xp.where(bnan & (a == -math.inf), c(complex(math.nan, math.inf)), r)
+    return g
+
+
+def _const(xp: Any, dev: Any, v: complex, dt: Any) -> Any:
+    return xp.asarray(v, dtype=dt, device=dev)
 
 
 def signed_remainder(xp: Any, f: Fn) -> Fn:
@@ -85,18 +218,6 @@ def signed_remainder(xp: Any, f: Fn) -> Fn:
         r = f(a, b)
         if xp.isdtype(r.dtype, "real floating"):
             r = xp.where(r == 0, xp.copysign(xp.zeros_like(r), xp.asarray(b, dtype=r.dtype)), r)
-        return r
-    return g
-
-
-def signed_floor_divide(xp: Any, f: Fn) -> Fn:
-    """A zero quotient is negative exactly when the operands' signs differ (JAX gives -0 for -1 // -inf)."""
-    def g(a: Any, b: Any) -> Any:
-        r = f(a, b)
-        if xp.isdtype(r.dtype, "real floating"):
-            one = xp.ones_like(r)
-            sign = xp.copysign(one, xp.asarray(a, dtype=r.dtype)) * xp.copysign(one, xp.asarray(b, dtype=r.dtype))
-            r = xp.where(r == 0, xp.copysign(xp.zeros_like(r), sign), r)
         return r
     return g
 
@@ -229,12 +350,22 @@ def jax_ops(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
             return r if r.dtype == xp.int64 else xp.astype(r, xp.int64)
         return g
 
+    def conj_symmetric(f: Fn) -> Fn:
+        """``f(conj(x)) = conj(f(x))``, as the standard states for these: XLA drops the sign of a zero
+        imaginary part (``sqrt(0 - 0j)`` is ``0 + 0j`` there)."""
+        def g(x: Any) -> Any:
+            if not xp.isdtype(x.dtype, "complex floating"):
+                return f(x)
+            return xp.where(xp.signbit(xp.imag(x)), xp.conj(f(xp.conj(x))), f(x))
+        return g
+
     for name in ops.ELEMENTWISE:
         if name in table and name in _BINARY:
             table[name] = big_ints(table[name])
+    for name in ("expm1", "tanh", "sqrt"):
+        table[name] = conj_symmetric(table[name])
     table["pow"] = big_ints(pow_)
     table["remainder"] = signed_remainder(xp, table["remainder"])
-    table["floor_divide"] = signed_floor_divide(xp, table["floor_divide"])
     for name in ("searchsorted", "argmax", "argmin", "argsort", "count_nonzero", "linalg.matrix_rank"):
         if name in table:
             table[name] = index_dtype(table[name])
@@ -255,3 +386,4 @@ def adapt(kind: str, xp: Any, dev: Any, table: dict[str, Fn]) -> None:
     extra = BY_KIND.get(kind)
     if extra is not None:
         extra(xp, dev, table)
+    table["setitem"] = promoted_setitem(xp, table["setitem"])
