@@ -168,6 +168,7 @@ def register_embedded(address: str, factory: Callable[[], SessionHandler]) -> No
 
 _tls = threading.local()
 _default: Device | None = None
+_local: Device | None = None
 _default_lock = threading.Lock()
 
 
@@ -236,16 +237,17 @@ def chosen_device() -> Device | None:
 
 
 def default_device() -> Device:
-    """The innermost ``with dev:`` device, else the one set by ``set_default_device``, else local."""
-    global _default
-    s = getattr(_tls, "stack", None)
-    if s:
-        return s[-1]
-    if _default is None:
+    """The innermost ``with dev:`` device, else the one set by ``set_default_device``, else local
+    (made on first use and kept apart: it is no choice of the user's, see ``chosen_device``)."""
+    global _local
+    dev = chosen_device()
+    if dev is not None:
+        return dev
+    if _local is None:
         with _default_lock:
-            if _default is None:
-                _default = connect(LOCAL)
-    return _default
+            if _local is None:
+                _local = connect(LOCAL)
+    return _local
 
 
 __all__ = ["Device", "connect", "devices", "set_default_device", "default_device", "register_embedded", "is_embedded",
