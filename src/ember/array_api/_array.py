@@ -16,6 +16,7 @@ from ..client.session import ClientSession
 from ..protocol import messages as m
 from . import _dtypes as d
 from ._dtypes import DType
+from ._validate import I64_MAX as _I64_MAX, I64_MIN as _I64_MIN, literal, positive_real
 
 _OP = m.OP
 _Scalar = (int, float, complex, bool)
@@ -99,10 +100,21 @@ class RemoteArray:
     def to_numpy(self, timeout: float | None = None, progress: bool | None = None) -> np.ndarray:
         """Fetch the value (blocks until computed, with a deadline). ``progress``: a bar for a large
         download (True always, False never, None as ``ember.set_progress`` says)."""
+        if timeout is not None:
+            timeout = positive_real("timeout", timeout)
+        if progress is not None and type(progress) is not bool:
+            raise TypeError(f"progress must be None or a bool, got {type(progress).__name__}")
         n = self._dtype.itemsize * self.size
         return self._session.read(self._id, timeout, progress=choose(progress, n), nbytes=n)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if dtype is not None:
+            try:
+                dtype = np.dtype(dtype)
+            except Exception:  # whatever a foreign object raises: it is not a dtype
+                raise TypeError(f"__array__: dtype must be a NumPy dtype, got {type(dtype).__name__}") from None
+        if copy is not None and type(copy) is not bool:
+            raise TypeError(f"__array__: copy must be None or a bool, got {type(copy).__name__}")
         a = self.to_numpy()
         if dtype is not None:
             a = a.astype(dtype, copy=False)
@@ -372,14 +384,14 @@ def binary(name: str, a: Any, b: Any) -> RemoteArray:
                 return RemoteArray(tid, sa if sa == sb else broadcast_shapes(sa, sb), out, a._dev, s)
         else:
             out = _RESULT.get((name, id(a._dtype), type(b)))
-            if out is not None:
+            if out is not None and (type(b) is not int or _I64_MIN <= b <= _I64_MAX):
                 s = a._session
                 tid = next(s.ids)
                 s.record([_OP, name, [a._id, b], 2, [tid], None])
                 return RemoteArray(tid, a._shape, out, a._dev, s)
     elif tb:
         out = _RESULT.get((name, type(a), id(b._dtype)))
-        if out is not None:
+        if out is not None and (type(a) is not int or _I64_MIN <= a <= _I64_MAX):
             s = b._session
             tid = next(s.ids)
             s.record([_OP, name, [a, b._id], 1, [tid], None])
@@ -405,6 +417,8 @@ def _binary(name: str, a: Any, b: Any, ta: bool, tb: bool) -> RemoteArray:
         dt, shape, smask = d.scalar_ok(a._dtype, b), a._shape, 2
         if type(b) is complex:
             b, smask = scalar_array(b, dt, a), 0
+        elif type(b) is int and dt.kind in "fc":
+            b = literal(b, dt)
     elif tb:
         if type(a) not in _Scalar:
             if not isinstance(a, np.generic):
@@ -413,6 +427,8 @@ def _binary(name: str, a: Any, b: Any, ta: bool, tb: bool) -> RemoteArray:
         dt, shape, smask = d.scalar_ok(b._dtype, a), b._shape, 1
         if type(a) is complex:
             a, smask = scalar_array(a, dt, b), 0
+        elif type(a) is int and dt.kind in "fc":
+            a = literal(a, dt)
     else:
         raise TypeError(f"{name} needs at least one ember array")
     if dt not in allowed:

@@ -8,7 +8,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..client.progress import choose
+from ..errors import EmberError
 from . import _dtypes as d
+from . import _validate as V
 from ._array import RemoteArray, emit, emit_multi, real_dtype, same_device, scalar_array
 from ._device import check_dtype, resolve
 from ._dtypes import DType, to_dtype
@@ -20,10 +22,7 @@ _PY_SCALARS = (bool, int, float, complex)
 
 
 def _shape(shape: int | Sequence[int]) -> tuple[int, ...]:
-    s = (int(shape),) if isinstance(shape, int) else tuple(int(n) for n in shape)
-    if any(n < 0 for n in s):
-        raise ValueError(f"negative dimension in shape {s}")
-    return s
+    return V.shape("shape", shape)
 
 
 def _scalar_dtype(v: Any) -> DType:
@@ -47,6 +46,7 @@ def _create(name: str, device: Any, kwargs: dict[str, Any], shape: tuple[int, ..
     """Record a creation op; ``args`` are the standard's positional-only (scalar) parameters."""
     dev = resolve(device)
     check_dtype(dev, dt)
+    V.fits(name, shape, dt, dev.session)
     kwargs["dtype"] = dt.name
     args = args or []
     return emit(name, args, (1 << len(args)) - 1, kwargs, shape, dt, session=dev.session, dev=dev)
@@ -62,11 +62,17 @@ def upload(arr: np.ndarray, dev: Any, progress: bool | None = None) -> RemoteArr
 
 def _host(obj: Any, dtype: DType | None) -> np.ndarray:
     """Host data for ``obj`` (NumPy array, buffer, DLPack producer, nested sequence or scalar)."""
-    if not isinstance(obj, np.ndarray) and hasattr(obj, "__dlpack__") and not isinstance(obj, _PY_SCALARS):
-        obj = _from_dlpack(obj)
-    if isinstance(obj, (list, tuple)) and any(isinstance(v, RemoteArray) for v in obj):
-        obj = [np.asarray(v) for v in obj]
-    arr = np.asarray(obj, dtype=dtype.np if dtype is not None else None)
+    try:
+        if not isinstance(obj, np.ndarray) and hasattr(obj, "__dlpack__") and not isinstance(obj, _PY_SCALARS):
+            obj = _from_dlpack(obj)
+        if isinstance(obj, (list, tuple)) and any(isinstance(v, RemoteArray) for v in obj):
+            obj = [np.asarray(v) for v in obj]
+        arr = np.asarray(obj, dtype=dtype.np if dtype is not None else None)
+    except (TypeError, ValueError, OverflowError, BufferError, EmberError):
+        raise
+    except Exception as e:  # a foreign object whose conversion fails in its own way
+        raise TypeError(f"asarray: cannot convert a {type(obj).__name__} to an array ({type(e).__name__}: {e})") \
+            from None
     if arr.dtype.name not in d.BY_NAME:
         raise TypeError(f"asarray: NumPy dtype {arr.dtype} is not an Array API dtype; pass dtype=")
     return arr
@@ -89,6 +95,8 @@ def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: bool | 
     True always, False never, None as ``ember.set_progress`` says (default: 64 MiB and more, in a
     terminal or notebook)."""
     dt = None if dtype is None else to_dtype(dtype)
+    if copy is not None:
+        copy = V.flag("copy", copy)
     if isinstance(obj, RemoteArray):
         out = obj if device is None or device is obj.device else obj.to_device(device)
         if dt is not None and dt is not out.dtype:
@@ -116,6 +124,8 @@ def _astype(x: RemoteArray, dt: DType) -> RemoteArray:
 
 def from_dlpack(x: Any, /, *, device: Any = None, copy: bool | None = None) -> RemoteArray:
     """Import a DLPack producer (through a host copy) onto ``device``."""
+    if copy is not None:
+        copy = V.flag("copy", copy)
     if isinstance(x, RemoteArray):
         return asarray(x, device=device, copy=copy)
     if copy is False:
@@ -147,7 +157,10 @@ def full(shape: int | Sequence[int], fill_value: bool | int | float | complex, *
         fill_value = fill_value._scalar(complex if fill_value.dtype.kind == "c" else
                                         float if fill_value.dtype.kind == "f" else
                                         bool if fill_value.dtype.kind == "b" else int)
+    if isinstance(fill_value, np.generic) and fill_value.dtype.kind in "biufc":
+        fill_value = fill_value.item()
     dt = _dtype_or(dtype, _scalar_dtype(fill_value))
+    fill_value = V.fill("fill_value", fill_value, dt)
     if isinstance(fill_value, complex):  # no complex literals on the wire: zeros + a 0-d upload
         z = _create("full", device, {"shape": list(s), "fill_value": 0}, s, dt)
         return emit("add", [z, scalar_array(fill_value, dt, z)], 0, None, s, dt)
@@ -158,9 +171,10 @@ def arange(start: int | float, /, stop: int | float | None = None, step: int | f
            dtype: Any = None, device: Any = None) -> RemoteArray:
     if stop is None:
         start, stop = 0, start
+    start, stop, step = V.real("start", start), V.real("stop", stop), V.real("step", step)
     if step == 0:
         raise ValueError("arange step must not be zero")
-    isfloat = any(isinstance(v, float) for v in (start, stop, step))
+    isfloat = any(isinstance(x, float) for x in (start, stop, step))
     n = max(0, math.ceil((stop - start) / step)) if isfloat else len(range(start, stop, step))
     dt = _dtype_or(dtype, d.DEFAULT_FLOAT if isfloat else d.DEFAULT_INT)
     return _create("arange", device, {"num": n}, (n,), dt, [start, stop, step])
@@ -168,10 +182,14 @@ def arange(start: int | float, /, stop: int | float | None = None, step: int | f
 
 def linspace(start: int | float | complex, stop: int | float | complex, /, num: int, *, dtype: Any = None,
              device: Any = None, endpoint: bool = True) -> RemoteArray:
-    if num < 0:
-        raise ValueError("linspace num must be >= 0")
+    num = V.integer("num", num, lo=0)
+    endpoint = V.flag("endpoint", endpoint)
     iscomplex = isinstance(start, complex) or isinstance(stop, complex)
+    if not iscomplex:
+        start, stop = V.real("start", start), V.real("stop", stop)
     dt = _dtype_or(dtype, d.DEFAULT_COMPLEX if iscomplex else d.DEFAULT_FLOAT)
+    if iscomplex and any(type(b) not in (int, float, complex) for b in (start, stop)):
+        raise TypeError(f"linspace bounds must be numbers, got {type(start).__name__} and {type(stop).__name__}")
     if iscomplex and dt not in d.COMPLEX:
         raise TypeError(f"linspace with complex bounds needs a complex dtype, got {dt}")
     if iscomplex or dt in d.COMPLEX:  # no complex literals on the wire: start + (stop - start) * t
@@ -184,9 +202,9 @@ def linspace(start: int | float | complex, stop: int | float | complex, /, num: 
 
 def eye(n_rows: int, n_cols: int | None = None, /, *, k: int = 0, dtype: Any = None,
         device: Any = None) -> RemoteArray:
-    cols = n_rows if n_cols is None else n_cols
-    if n_rows < 0 or cols < 0:
-        raise ValueError(f"eye needs non-negative sizes, got {n_rows}, {cols}")
+    n_rows = V.integer("n_rows", n_rows, lo=0)
+    cols = n_rows if n_cols is None else V.integer("n_cols", n_cols, lo=0)
+    k = V.clamp(V.integer("k", k), -n_rows, cols)  # a diagonal beyond the matrix: all zeros either way
     return _create("eye", device, {"k": k}, (n_rows, cols), _dtype_or(dtype, d.DEFAULT_FLOAT), [n_rows, cols])
 
 
@@ -194,6 +212,10 @@ def _like(name: str, x: RemoteArray, dtype: Any, device: Any, **kw: Any) -> Remo
     if type(x) is not RemoteArray:
         raise TypeError(f"{name} expects an ember array, got {type(x).__name__}")
     dt = _dtype_or(dtype, x.dtype)
+    if "fill_value" in kw:
+        if isinstance(kw["fill_value"], np.generic) and kw["fill_value"].dtype.kind in "biufc":
+            kw["fill_value"] = kw["fill_value"].item()
+        kw["fill_value"] = V.fill("fill_value", kw["fill_value"], dt)
     if device is not None and device is not x.device:
         base = name.removesuffix("_like")
         args = (x.shape, kw["fill_value"]) if base == "full" else (x.shape,)
@@ -225,10 +247,11 @@ def full_like(x: RemoteArray, /, fill_value: bool | int | float | complex, *, dt
 
 
 def meshgrid(*arrays: RemoteArray, indexing: str = "xy") -> tuple[RemoteArray, ...]:
-    if indexing not in ("xy", "ij"):
-        raise ValueError(f"meshgrid indexing must be 'xy' or 'ij', got {indexing!r}")
+    V.choice("indexing", indexing, ("xy", "ij"))
     if not arrays:
         return ()
+    if any(type(a) is not RemoteArray for a in arrays):
+        raise TypeError("meshgrid expects ember arrays")
     same_device(*arrays)
     if len({a.dtype for a in arrays}) > 1:
         raise ValueError("meshgrid inputs must all have the same dtype")
@@ -238,13 +261,17 @@ def meshgrid(*arrays: RemoteArray, indexing: str = "xy") -> tuple[RemoteArray, .
     if indexing == "xy" and len(shape) > 1:
         shape[0], shape[1] = shape[1], shape[0]
     spec = (tuple(shape), arrays[0].dtype)
+    V.fits("meshgrid", spec[0], spec[1], arrays[0]._session)
     return emit_multi("meshgrid", list(arrays), {"indexing": indexing}, [spec] * len(arrays))
 
 
 def _triangle(name: str, x: RemoteArray, k: int) -> RemoteArray:
+    if type(x) is not RemoteArray:
+        raise TypeError(f"{name} expects an ember array, got {type(x).__name__}")
     if x.ndim < 2:
         raise ValueError(f"{name} needs an array of at least 2 dims, got {x.ndim}")
-    return emit(name, [x], 0, {"k": int(k)}, x.shape, x.dtype)
+    k = V.clamp(V.integer("k", k), -x.shape[-2], x.shape[-1])  # beyond the matrix: the same result
+    return emit(name, [x], 0, {"k": k}, x.shape, x.dtype)
 
 
 def tril(x: RemoteArray, /, *, k: int = 0) -> RemoteArray:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _dtypes as d
+from ._validate import literal
 from ._array import RULES, RemoteArray, binary, broadcast_shapes, emit, same_device, unary
 
 UNARY = ("abs acos acosh asin asinh atan atanh bitwise_invert ceil conj cos cosh exp expm1 floor imag isfinite "
@@ -64,6 +65,8 @@ def clip(x: RemoteArray, /, min: int | float | RemoteArray | None = None,
                 if b < lo if i == 2 else b > hi:
                     raise OverflowError(f"clip: bound {b} is out of range for {x.dtype}")
                 b = None if (b <= lo if i == 1 else b >= hi) else b
+            elif type(b) is int and x.dtype.kind == "f":
+                b = literal(b, x.dtype)  # (an int beyond 64 bits travels as a float)
             smask |= 1 << i
         else:
             raise TypeError(f"clip: bounds must be None, int, float or ember arrays, got {type(b).__name__}")

@@ -11,7 +11,10 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import numpy as np
+
 from . import _dtypes as d
+from . import _validate as V
 from ._array import RemoteArray, broadcast_shapes, emit, emit_dynamic, same_device, scalar_array
 from ..protocol import codec
 from ..protocol import messages as m
@@ -29,12 +32,52 @@ def _items(key: Any) -> tuple[Any, ...]:
         elif type(k) is slice:
             b = (k.start, k.stop, k.step)
             if any(v is not None and type(v) is not int for v in b):  # e.g. x[:n] with n a 0-d array
-                k = slice(*(None if v is None else operator.index(v) for v in b))
+                k = slice(*(None if v is None else _index(v) for v in b))
             out.append(k)
         elif isinstance(k, bool) or not hasattr(k, "__index__"):
-            raise IndexError(f"unsupported index {k!r}: use ints, slices, None, ..., or ember arrays")
+            raise IndexError(f"unsupported index {k!r:.60}: use ints, slices, None, ..., or ember arrays")
         else:
-            out.append(operator.index(k))
+            out.append(_index(k))
+    return tuple(out)
+
+
+def _index(v: Any) -> int:
+    """``operator.index``, with whatever a foreign ``__index__`` raises as an IndexError."""
+    try:
+        return operator.index(v)
+    except Exception:
+        raise IndexError(f"unsupported index {v!r:.60}: slice bounds and indices must be integers") from None
+
+
+_BIG = 1 << 62
+
+
+def _slice_wire(a: Any, b: Any, c: Any, n: int) -> list[Any]:
+    """A slice for the wire: bounds beyond the axis (any Python int is a valid bound) brought to
+    ``±(n + 1)``, a step beyond it to ``±n``: the same elements, and always within 64 bits."""
+    if (a is None or -_BIG < a < _BIG) and (b is None or -_BIG < b < _BIG) and (c is None or -_BIG < c < _BIG):
+        return [_S, a, b, c]
+    m = n + 1
+    a = None if a is None else V.clamp(a, -m, m)
+    b = None if b is None else V.clamp(b, -m, m)
+    c = None if c is None else V.clamp(c, -max(n, 1), max(n, 1))
+    return [_S, a, b, c]
+
+
+def _wire_items(shape: tuple[int, ...], items: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``items`` (already checked against ``shape``) with huge slice bounds clamped (``_slice_wire``)."""
+    if not any(type(k) is slice and any(v is not None and not -_BIG < v < _BIG for v in (k.start, k.stop, k.step))
+               for k in items):
+        return items
+    used = sum(_consumed(k) for k in items)
+    out, dim = [], 0
+    for k in items:
+        if k is Ellipsis:
+            dim += len(shape) - used
+        elif type(k) is slice:
+            k = slice(*_slice_wire(k.start, k.stop, k.step, shape[dim])[1:])
+        out.append(k)
+        dim += _consumed(k) if k is not Ellipsis else 0
     return tuple(out)
 
 
@@ -132,7 +175,7 @@ def _basic(shape: tuple[int, ...], key: Any) -> tuple[tuple[int, ...], list[Any]
             if not ((a is None or type(a) is int) and (b is None or type(b) is int) and (c is None or type(c) is int)):
                 return None
             out.append(len(range(*k.indices(shape[dim]))))
-            enc.append([_S, a, b, c])
+            enc.append(_slice_wire(a, b, c, shape[dim]))
             dim += 1
         elif t is int:
             n = shape[dim]
@@ -165,7 +208,7 @@ def getitem(x: RemoteArray, key: Any) -> RemoteArray:
         same_device(x, *arrays)
     shape = _index_shape(x.shape, _expand(x.shape, items))
     extra: list[int] = []
-    enc = codec.encode_key(items, extra, RemoteArray)
+    enc = codec.encode_key(_wire_items(x.shape, items), extra, RemoteArray)
     if shape is None:
         return emit_dynamic("getitem", [x, *arrays], {"key": enc}, x.dtype)
     return emit("getitem", [x, *arrays], 0, {"key": enc}, shape, x.dtype)
@@ -185,13 +228,16 @@ def setitem(x: RemoteArray, key: Any, value: Any) -> None:
     else:
         if arrays:
             same_device(x, *arrays)
+        if isinstance(value, np.generic) and value.dtype.kind in "biufc":
+            value = value.item()  # a NumPy scalar, as the Python scalar it holds
         if d.scalar_ok(x.dtype, value) is not x.dtype:
             raise TypeError(f"cannot assign a Python {type(value).__name__} into a {x.dtype} array")
+        value = V.literal(value, x.dtype)
         smask = 2
         if type(value) is complex:  # no complex literals on the wire
             value, smask = scalar_array(value, x.dtype, x), 0
     extra: list[int] = []
-    enc = codec.encode_key(items, extra, RemoteArray)
+    enc = codec.encode_key(_wire_items(x.shape, items), extra, RemoteArray)
     new = emit("setitem", [x, value, *arrays], smask, {"key": enc}, x.shape, x.dtype)
     x._adopt(new)
 
@@ -208,9 +254,7 @@ def take(x: RemoteArray, indices: RemoteArray, /, *, axis: int | None = None) ->
         if x.ndim != 1:
             raise ValueError("take: axis is required for arrays of more than one dim")
         axis = 0
-    if not -x.ndim <= axis < max(x.ndim, 1):
-        raise IndexError(f"take: axis {axis} is out of bounds for {x.ndim} dims")
-    a = axis % x.ndim
+    a = V.axes("axis", V.integer("axis", axis), x.ndim)[0]
     shape = x.shape[:a] + indices.shape + x.shape[a + 1:]
     return emit("take", [x, indices], 0, {"axis": a}, shape, x.dtype)
 
@@ -224,9 +268,7 @@ def take_along_axis(x: RemoteArray, indices: RemoteArray, /, *, axis: int = -1) 
     if indices.ndim != x.ndim or x.ndim == 0:
         raise ValueError(f"take_along_axis: x and indices need the same number (>= 1) of dims, "
                          f"got {x.ndim} and {indices.ndim}")
-    if not -x.ndim <= axis < x.ndim:
-        raise IndexError(f"take_along_axis: axis {axis} is out of bounds for {x.ndim} dims")
-    a = axis % x.ndim
+    a = V.axes("axis", V.integer("axis", axis), x.ndim)[0]
     rest = broadcast_shapes(x.shape[:a] + x.shape[a + 1:], indices.shape[:a] + indices.shape[a + 1:])
     shape = rest[:a] + (indices.shape[a],) + rest[a:]
     return emit("take_along_axis", [x, indices], 0, {"axis": a}, shape, x.dtype)

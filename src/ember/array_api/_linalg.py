@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from . import _dtypes as d
+from . import _validate as V
 from ._array import RemoteArray, broadcast_shapes, emit, same_device
 
 __all__ = ["matmul", "matrix_transpose", "tensordot", "vecdot"]
@@ -50,11 +51,14 @@ def matrix_transpose(x: RemoteArray, /) -> RemoteArray:
 
 def _tensordot_axes(s1: tuple[int, ...], s2: tuple[int, ...],
                     axes: int | tuple[Sequence[int], Sequence[int]]) -> tuple[list[int], list[int]]:
-    if isinstance(axes, int):
+    if not isinstance(axes, (tuple, list)):
+        axes = V.integer("axes", axes)
         if not 0 <= axes <= min(len(s1), len(s2)):
             raise ValueError(f"tensordot: axes={axes} does not fit shapes {s1} and {s2}")
         return list(range(len(s1) - axes, len(s1))), list(range(axes))
-    a1, a2 = ([int(a) for a in ax] for ax in axes)
+    if len(axes) != 2:
+        raise ValueError(f"tensordot: axes must be an int or a pair of axis sequences, got {len(axes)} entries")
+    a1, a2 = (list(V.integers(f"axes[{i}]", ax, limit=V.MAX_DIMS)) for i, ax in enumerate(axes))
     if len(a1) != len(a2):
         raise ValueError("tensordot: both axes sequences need the same length")
     for a, n in ((a1, len(s1)), (a2, len(s2))):
@@ -72,12 +76,13 @@ def tensordot(x1: RemoteArray, x2: RemoteArray, /, *,
             raise ValueError(f"tensordot: contracted dims differ ({x1.shape[i]} != {x2.shape[j]})")
     shape = tuple(n for i, n in enumerate(x1.shape) if i not in a1) + \
         tuple(n for i, n in enumerate(x2.shape) if i not in a2)
-    wire = axes if isinstance(axes, int) else [a1, a2]
+    wire = axes if type(axes) is int else [a1, a2]
     return emit("tensordot", [x1, x2], 0, {"axes": wire}, shape, dt)
 
 
 def vecdot(x1: RemoteArray, x2: RemoteArray, /, *, axis: int = -1) -> RemoteArray:
     dt = _pair("vecdot", x1, x2)
+    axis = V.integer("axis", axis)
     n = max(x1.ndim, x2.ndim)
     if not -n <= axis < 0 and not (0 <= axis < min(x1.ndim, x2.ndim) and x1.ndim == x2.ndim):
         raise ValueError(f"vecdot: axis {axis} out of range (use a negative axis)")

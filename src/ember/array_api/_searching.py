@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _dtypes as d
+from . import _validate as V
 from ._array import RemoteArray, broadcast_shapes, emit, emit_dynamic_multi, same_device, scalar_array
 from ._statistical import normalize_axis, reduced_shape
 
@@ -24,6 +25,7 @@ def _arg(name: str, x: RemoteArray, axis: int | None, keepdims: bool) -> RemoteA
         raise TypeError(f"{name} does not accept {x.dtype} inputs")
     if x.size == 0:
         raise ValueError(f"{name} of an empty array")
+    keepdims = V.flag("keepdims", keepdims)
     axes = normalize_axis(axis, x.ndim)
     a = None if axis is None else axes[0]
     return emit(name, [x], 0, {"axis": a, "keepdims": keepdims}, reduced_shape(x.shape, axes, keepdims),
@@ -41,6 +43,7 @@ def argmin(x: RemoteArray, /, *, axis: int | None = None, keepdims: bool = False
 def count_nonzero(x: RemoteArray, /, *, axis: int | tuple[int, ...] | None = None,
                   keepdims: bool = False) -> RemoteArray:
     axes = normalize_axis(axis, _arr("count_nonzero", x).ndim)
+    keepdims = V.flag("keepdims", keepdims)
     kwargs = {"axis": list(axes) if axis is not None else None, "keepdims": keepdims}
     return emit("count_nonzero", [x], 0, kwargs, reduced_shape(x.shape, axes, keepdims), d.DEFAULT_INT)
 
@@ -58,13 +61,12 @@ def searchsorted(x1: RemoteArray, x2: RemoteArray | int | float, /, *, side: str
     _arr("searchsorted", x1)
     if x1.ndim != 1:
         raise ValueError(f"searchsorted: x1 must be one-dimensional, got {x1.ndim} dims")
-    if side not in ("left", "right"):
-        raise ValueError(f"searchsorted: side must be 'left' or 'right', got {side!r}")
+    V.choice("side", side, ("left", "right"))
     scalar = type(x2) is not RemoteArray
     if scalar:
         if type(x2) not in (int, float):
             raise TypeError(f"searchsorted: x2 must be an ember array, an int or a float, got {type(x2).__name__}")
-        d.scalar_ok(x1.dtype, x2)
+        x2 = V.literal(x2, d.scalar_ok(x1.dtype, x2))
     if x1.dtype not in d.REAL_NUMERIC or not scalar and x2.dtype not in d.REAL_NUMERIC:
         raise TypeError(f"searchsorted needs real numeric inputs, got {x1.dtype} and "
                         f"{type(x2).__name__ if scalar else x2.dtype}")
@@ -98,6 +100,8 @@ def where(condition: RemoteArray, x1: Any, x2: Any, /) -> RemoteArray:
         same_device(condition, arr)
         dt = d.scalar_ok(arr.dtype, sc)
         shape = broadcast_shapes(condition.shape, arr.shape)
+        if type(sc) is int:  # (an int beyond 64 bits travels as a float, with a floating array)
+            x1, x2 = (x1, V.literal(sc, dt)) if a1 else (V.literal(sc, dt), x2)
         if type(sc) is complex:  # no complex literals on the wire
             if a1:
                 x2, a2 = scalar_array(sc, dt, arr), True

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from . import _dtypes as d
+from . import _validate as V
 from ._array import RemoteArray, emit, emit_dynamic, emit_dynamic_multi, same_device
 
 __all__ = ["isin", "unique_all", "unique_counts", "unique_inverse", "unique_values"]
@@ -49,8 +50,7 @@ def isin(x1: RemoteArray | int, x2: RemoteArray | int, /, *, invert: bool = Fals
     if not (a1 or a2):
         raise TypeError(f"isin: at least one of x1 and x2 must be an ember array, got {type(x1).__name__} "
                         f"and {type(x2).__name__}")
-    if type(invert) is not bool:
-        raise TypeError(f"isin: invert must be a bool, got {type(invert).__name__}")
+    invert = V.flag("invert", invert)
     for v, is_arr, other in ((x1, a1, x2), (x2, a2, x1)):
         if is_arr:
             if v.dtype not in d.REAL_NUMERIC:
@@ -59,6 +59,10 @@ def isin(x1: RemoteArray | int, x2: RemoteArray | int, /, *, invert: bool = Fals
             raise TypeError(f"isin: x1 and x2 must be ember arrays, ints or floats, got {type(v).__name__}")
         else:
             d.scalar_ok(other.dtype, v)
+    if not a1:
+        x1 = V.literal(x1, x2.dtype)
+    elif not a2:
+        x2 = V.literal(x2, x1.dtype)
     if a1 and a2:
         same_device(x1, x2)
         d.promote(x1.dtype, x2.dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _dtypes as d
+from . import _validate as V
 from ._array import RemoteArray, emit
 from ._statistical import normalize_axis
 
@@ -19,7 +20,7 @@ def _sort(name: str, x: Any, axis: int, descending: bool, stable: bool, dt: d.DT
     if x.ndim == 0:
         raise ValueError(f"{name} needs an array of at least one dim")
     a = normalize_axis(axis, x.ndim)[0]
-    kw = {"axis": a, "descending": bool(descending), "stable": bool(stable)}
+    kw = {"axis": a, "descending": V.flag("descending", descending), "stable": V.flag("stable", stable)}
     return emit(name, [x], 0, kw, x.shape, dt or x.dtype)
 
 

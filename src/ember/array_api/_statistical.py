@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _dtypes as d
+from . import _validate as V
 from ._array import RemoteArray, emit
 from ._device import check_dtype
 from ._dtypes import DType, to_dtype
@@ -12,22 +13,10 @@ from ._dtypes import DType, to_dtype
 __all__ = ["cumulative_prod", "cumulative_sum", "max", "mean", "min", "prod", "std", "sum", "var"]
 
 
-def normalize_axis(axis: int | tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
-    """Axes as non-negative ints (all of them for None); IndexError when out of range."""
-    if axis is None:
-        return tuple(range(ndim))
-    axes = (axis,) if isinstance(axis, int) or hasattr(axis, "__index__") else tuple(axis)
-    if any(isinstance(a, bool) or not hasattr(a, "__index__") for a in axes):
-        raise TypeError(f"axis must be an int or a tuple of ints, got {axis!r}")
-    axes = tuple(int(a) for a in axes)
-    out = []
-    for a in axes:
-        if not -ndim <= a < ndim:
-            raise IndexError(f"axis {a} is out of bounds for an array of {ndim} dims")
-        out.append(a % ndim)
-    if len(set(out)) != len(out):
-        raise ValueError(f"repeated axis in {axis}")
-    return tuple(out)
+def normalize_axis(axis: int | tuple[int, ...] | None, ndim: int, name: str = "axis") -> tuple[int, ...]:
+    """Axes as non-negative ints (all of them for None); ``AxisError`` (an IndexError and a ValueError)
+    when out of range, TypeError when not ints, ValueError when repeated."""
+    return V.axes(name, axis, ndim)
 
 
 def reduced_shape(shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool) -> tuple[int, ...]:
@@ -49,6 +38,7 @@ def reduce_plan(x: RemoteArray, axis: Any, keepdims: bool,
     except TypeError:  # an unhashable axis (a list): no caching
         plan = key = None
     if plan is None:
+        keepdims = V.flag("keepdims", keepdims)
         axes = normalize_axis(axis, len(x._shape))
         kwargs: dict[str, Any] = {"axis": list(axes) if axis is not None else None, "keepdims": keepdims}
         kwargs.update(extra)
@@ -115,16 +105,14 @@ def max(x: RemoteArray, /, *, axis: Any = None, keepdims: bool = False) -> Remot
 def std(x: RemoteArray, /, *, axis: Any = None, correction: int | float = 0.0,
         keepdims: bool = False) -> RemoteArray:
     _numeric("std", x, d.REAL_FLOAT)
-    if type(correction) not in (int, float):
-        correction = float(correction)
+    correction = V.real("correction", correction)
     return _reduce("std", x, axis, keepdims, x.dtype, (("correction", correction),))
 
 
 def var(x: RemoteArray, /, *, axis: Any = None, correction: int | float = 0.0,
         keepdims: bool = False) -> RemoteArray:
     _numeric("var", x, d.REAL_FLOAT)
-    if type(correction) not in (int, float):
-        correction = float(correction)
+    correction = V.real("correction", correction)
     return _reduce("var", x, axis, keepdims, x.dtype, (("correction", correction),))
 
 
@@ -138,8 +126,9 @@ def _cumulative(name: str, x: RemoteArray, axis: int | None, dtype: Any, include
         axis = 0
     a = normalize_axis(axis, x.ndim)[0]
     dt = accumulate_dtype(x, dtype)
+    include_initial = V.flag("include_initial", include_initial)
     shape = tuple(n + 1 if i == a and include_initial else n for i, n in enumerate(x.shape))
-    kw = {"axis": a, "dtype": dt.name, "include_initial": bool(include_initial)}
+    kw = {"axis": a, "dtype": dt.name, "include_initial": include_initial}
     return emit(name, [x], 0, kw, shape, dt)
 
 

@@ -19,6 +19,7 @@ from ..client.progress import choose
 from ..errors import TransferError
 from ..protocol import messages as m
 from ..transport import is_iroh_address
+from . import _validate as V
 from ._array import RemoteArray
 from ._device import check_dtype, resolve
 
@@ -39,6 +40,11 @@ def move(x: RemoteArray, device: Any, *, via_client: bool = False, downloads: in
     says). Through the client it counts bytes down and up; between peers the client sees no bytes,
     so the bar waits for the move to finish (the call then returns once it has)."""
     dst = resolve(device)
+    via_client = V.flag("via_client", via_client)
+    downloads = V.integer("downloads", downloads, lo=1)
+    ttl, timeout = V.positive_real("ttl", ttl), V.positive_real("timeout", timeout)
+    if progress is not None:
+        progress = V.flag("progress", progress)
     src = x.device
     if dst is src:
         return x

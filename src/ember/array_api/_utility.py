@@ -6,6 +6,7 @@ import builtins
 from typing import Any
 
 from . import _dtypes as d
+from . import _validate as V
 from ._array import RemoteArray, emit, same_device
 from ._statistical import normalize_axis, reduce_plan
 
@@ -35,10 +36,11 @@ def diff(x: RemoteArray, /, *, axis: int = -1, n: int = 1, prepend: RemoteArray 
         raise TypeError(f"diff does not accept {x.dtype} inputs")
     if x.ndim == 0:
         raise ValueError("diff needs an array of at least one dim")
-    if n < 0:
-        raise ValueError(f"diff: n must be non-negative, got {n}")
+    n = V.integer("n", n, lo=0)
     a = normalize_axis(axis, x.ndim)[0]
     extra = [e for e in (prepend, append) if e is not None]
+    if builtins.any(type(e) is not RemoteArray for e in extra):
+        raise TypeError("diff: prepend and append must be ember arrays or None")
     same_device(x, *extra)
     dt = x.dtype
     length = x.shape[a]
@@ -49,6 +51,7 @@ def diff(x: RemoteArray, /, *, axis: int = -1, n: int = 1, prepend: RemoteArray 
         length += e.shape[a]
     if n == 0:  # NumPy's rule (and the oracle's): nothing is differenced, prepend/append are ignored
         length, dt = x.shape[a], x.dtype
+    n = min(n, length)  # differencing as often as there are elements leaves none: the same (empty) result
     shape = tuple(max(length - n, 0) if i == a else s for i, s in enumerate(x.shape))
     smask = (2 if prepend is None else 0) | (4 if append is None else 0)
     return emit("diff", [x, prepend, append], smask, {"axis": a, "n": n}, shape, dt)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from . import _dtypes as d
+from . import _validate as V
 from ._array import RemoteArray, broadcast_shapes, emit, emit_multi, real_dtype, same_device
 from ._linalg import matmul, matrix_transpose, tensordot, vecdot
 from ._statistical import accumulate_dtype, normalize_axis, reduced_shape
@@ -65,13 +66,14 @@ def _op(name: str, x: RemoteArray, shape: tuple[int, ...], dt: d.DType, **kw: An
 
 
 def cholesky(x: RemoteArray, /, *, upper: bool = False) -> RemoteArray:
-    return _op("cholesky", _square("cholesky", x), x.shape, x.dtype, upper=bool(upper))
+    return _op("cholesky", _square("cholesky", x), x.shape, x.dtype, upper=V.flag("upper", upper))
 
 
 def cross(x1: RemoteArray, x2: RemoteArray, /, *, axis: int = -1) -> RemoteArray:
     _arr("cross", x1, d.NUMERIC, 1), _arr("cross", x2, d.NUMERIC, 1)
     same_device(x1, x2)
     dt = d.promote(x1.dtype, x2.dtype)
+    axis = V.integer("axis", axis)
     if not min(-1, -x1.ndim, -x2.ndim) <= axis < 0:
         raise ValueError(f"linalg.cross: axis must be negative and within both arrays' dims, got {axis}")
     if x1.shape[axis] != 3 or x2.shape[axis] != 3:
@@ -86,6 +88,7 @@ def det(x: RemoteArray, /) -> RemoteArray:
 def diagonal(x: RemoteArray, /, *, offset: int = 0) -> RemoteArray:
     _arr("diagonal", x, d.ANY)
     m, n = x.shape[-2:]
+    offset = V.clamp(V.integer("offset", offset), -m, n)  # beyond the matrix: an empty diagonal either way
     k = max(0, min(m, n - offset) if offset >= 0 else min(m + offset, n))
     return _op("diagonal", x, x.shape[:-2] + (k,), x.dtype, offset=offset)
 
@@ -120,15 +123,23 @@ def inv(x: RemoteArray, /) -> RemoteArray:
     return _op("inv", _square("inv", x), x.shape, x.dtype)
 
 
+_MATRIX_ORDS = (1, -1, 2, -2, float("inf"), float("-inf"))
+
+
 def matrix_norm(x: RemoteArray, /, *, keepdims: bool = False, ord: int | float | str | None = "fro") -> RemoteArray:
     _arr("matrix_norm", x)
+    keepdims = V.flag("keepdims", keepdims)
+    if ord is None or isinstance(ord, str):
+        ord = "fro" if ord is None else V.choice("ord", ord, ("fro", "nuc"))
+    elif V.real("ord", ord) not in _MATRIX_ORDS:
+        raise ValueError(f"linalg.matrix_norm: ord must be 'fro', 'nuc', ±1, ±2 or ±inf, got {ord!r}")
     shape = x.shape[:-2] + ((1, 1) if keepdims else ())
-    return _op("matrix_norm", x, shape, real_dtype(x.dtype), keepdims=bool(keepdims), ord=ord)
+    return _op("matrix_norm", x, shape, real_dtype(x.dtype), keepdims=keepdims, ord=ord)
 
 
 def matrix_power(x: RemoteArray, n: int, /) -> RemoteArray:
     _square("matrix_power", x)
-    return emit("linalg.matrix_power", [x, int(n)], 2, None, x.shape, x.dtype)
+    return emit("linalg.matrix_power", [x, V.integer("n", n)], 2, None, x.shape, x.dtype)
 
 
 def _rtol(name: str, x: RemoteArray, rtol: Any) -> tuple[list[Any], int]:
@@ -138,8 +149,8 @@ def _rtol(name: str, x: RemoteArray, rtol: Any) -> tuple[list[Any], int]:
         if rtol.dtype not in d.REAL_FLOAT:
             raise TypeError(f"linalg.{name}: rtol must be a real floating-point array")
         return [x, rtol], 0
-    if rtol is not None and type(rtol) not in (int, float):
-        raise TypeError(f"linalg.{name}: rtol must be a float, an ember array or None")
+    if rtol is not None:
+        rtol = V.real("rtol", rtol)
     return [x, rtol], 2
 
 
@@ -163,8 +174,7 @@ def pinv(x: RemoteArray, /, *, rtol: float | RemoteArray | None = None) -> Remot
 
 def qr(x: RemoteArray, /, *, mode: str = "reduced") -> QRResult:
     _arr("qr", x)
-    if mode not in ("reduced", "complete"):
-        raise ValueError(f"linalg.qr: mode must be 'reduced' or 'complete', got {mode!r}")
+    V.choice("mode", mode, ("reduced", "complete"))
     m, n = x.shape[-2:]
     k = min(m, n) if mode == "reduced" else m
     b = x.shape[:-2]
@@ -201,7 +211,7 @@ def svd(x: RemoteArray, /, *, full_matrices: bool = True) -> SVDResult:
     b = x.shape[:-2]
     u, v = (m, n) if full_matrices else (k, k)
     specs = [(b + (m, u), x.dtype), (b + (k,), real_dtype(x.dtype)), (b + (v, n), x.dtype)]
-    return SVDResult(*emit_multi("linalg.svd", [x], {"full_matrices": bool(full_matrices)}, specs))
+    return SVDResult(*emit_multi("linalg.svd", [x], {"full_matrices": V.flag("full_matrices", full_matrices)}, specs))
 
 
 def svdvals(x: RemoteArray, /) -> RemoteArray:
@@ -211,6 +221,7 @@ def svdvals(x: RemoteArray, /) -> RemoteArray:
 
 def trace(x: RemoteArray, /, *, offset: int = 0, dtype: Any = None) -> RemoteArray:
     _arr("trace", x, d.NUMERIC)
+    offset = V.clamp(V.integer("offset", offset), -x.shape[-2], x.shape[-1])  # beyond the matrix: 0 either way
     dt = accumulate_dtype(x, dtype)
     return _op("trace", x, x.shape[:-2], dt, offset=offset, dtype=dt.name)
 
@@ -218,7 +229,8 @@ def trace(x: RemoteArray, /, *, offset: int = 0, dtype: Any = None) -> RemoteArr
 def vector_norm(x: RemoteArray, /, *, axis: int | tuple[int, ...] | None = None, keepdims: bool = False,
                 ord: int | float = 2) -> RemoteArray:
     _arr("vector_norm", x, d.FLOAT, 0)
+    keepdims, ord = V.flag("keepdims", keepdims), V.real("ord", ord)
     axes = normalize_axis(axis, x.ndim)
     shape = reduced_shape(x.shape, axes, keepdims)
     wire = None if axis is None else list(axes)
-    return _op("vector_norm", x, shape, real_dtype(x.dtype), axis=wire, keepdims=bool(keepdims), ord=ord)
+    return _op("vector_norm", x, shape, real_dtype(x.dtype), axis=wire, keepdims=keepdims, ord=ord)

@@ -113,7 +113,8 @@ class Canon:
 
 
 def canon(ops: list[list[Any]], dropped: set[int] | frozenset[int]) -> Canon | None:
-    """Canonicalise a group of OP messages; None when it cannot be a graph (odd messages).
+    """Canonicalise a group of OP messages; None when it cannot be a graph (odd messages, or values
+    that cannot be encoded: a GRAPH and its REPLAYs are then always encodable).
 
     Runs once per held group at its boundary, so it is written for speed: one pass,
     no comprehension frames, dict lookups through bound methods.
@@ -153,6 +154,11 @@ def canon(ops: list[list[Any]], dropped: set[int] | frozenset[int]) -> Canon | N
         return None
     if len(slots) != n:
         return None  # an id used twice as an output
+    try:  # a value the protocol cannot carry: not a graph (sent as ops, the batch drops that one alone)
+        kwb = codec.packb(kws)
+        codec.packb(scalars)
+    except Exception:
+        return None
     first = next(iter(slots), 0)
     if dropped:
         kept: list[int] = []
@@ -175,7 +181,9 @@ def canon(ops: list[list[Any]], dropped: set[int] | frozenset[int]) -> Canon | N
     else:
         kept, kept_ids, elide, consumed = list(range(n)), list(slots), set(), []
         dense = kept_ids[-1] - first == n - 1 and all(tid == first + sl for tid, sl in slots.items()) if n else True
-    return Canon(shape, kws, scalars, kept, consumed, list(inputs), first if dense else kept_ids, elide, n)
+    c = Canon(shape, kws, scalars, kept, consumed, list(inputs), first if dense else kept_ids, elide, n)
+    c._kwb = kwb
+    return c
 
 
 def graph_id(key: bytes) -> int:

@@ -39,6 +39,7 @@ from ..protocol import codec
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
 from .bulk import BulkData, ReadTimeout, Upload, Waiter, size_text
+from . import batch
 from .graph import Candidate, GraphTable, canon
 
 _sessions: "weakref.WeakSet[ClientSession]" = weakref.WeakSet()
@@ -77,7 +78,8 @@ class ClientSession(BulkData):
         self._quiet = 0        # ticks without activity
         self.lost: EmberError | None = None
         self.stats = {"ops": 0, "batches": 0, "bytes_sent": 0, "bytes_received": 0, "reads": 0,
-                      "graphs": 0, "replays": 0, "replayed_ops": 0, "graph_resends": 0}
+                      "graphs": 0, "replays": 0, "replayed_ops": 0, "graph_resends": 0,
+                      "unsendable": 0}  # messages dropped: they could not be encoded (client/batch.py)
         # op-graph caching: the current group, held or shadow-captured (None: not capturing)
         gcap = int(limits.get("graph_cache", 0))
         self._g_on = bool(graphs) and gcap > 0
@@ -92,6 +94,7 @@ class ClientSession(BulkData):
         self._period = -1  # > 0: the op stream repeats every _period ops (groups end there too)
         self._misses = 0   # periods in a row that did not replay
         self._gtable = GraphTable(gcap)
+        self._poisoned: dict[int, EmberError] = {}  # ids whose message could not be sent: why
         self.data = m.DATA_FEATURE in codec.agreed_features(welcome.get("features"))
         set_sink = getattr(conn, "set_data_sink", None)
         if self.data and set_sink is not None:
@@ -236,6 +239,8 @@ class ClientSession(BulkData):
             cl.pop()
 
     def _queue_replay(self, c: Candidate, k: Any) -> bool:
+        if self._poisoned and any(i in self._poisoned for i in k.inputs):
+            return False  # sent as ops instead: they inherit the poison here (client/batch.py)
         table = self._gtable
         e = c.entry
         if e is None:
@@ -288,13 +293,28 @@ class ClientSession(BulkData):
                 self._grp_drops.extend(ids)
         if not p:
             return
-        frame = codec.packb(p)
-        self.stats["ops"] += len(p)
-        self.stats["batches"] += 1
-        self.stats["bytes_sent"] += len(frame)
         self._pending = []
-        self._frames.append(frame)
-        self.loop.call_soon_threadsafe(self._wake.set)
+        try:
+            frames = None if self._poisoned else [codec.packb(p)]
+        except Exception:  # a message the protocol cannot carry: never the whole batch (client/batch.py)
+            frames = None
+        if frames is None or len(frames[0]) > self.max_frame:
+            frames, answers, sent, unsendable = batch.sift(p, self._poisoned, self.max_frame, self.address)
+            self.stats["unsendable"] += unsendable
+            for req, err in answers:  # reads of poisoned ids: answered here
+                w = self._waiters.pop(req, None)
+                if w is not None:
+                    w.error = err
+                    w.set()
+        else:
+            sent = len(p)
+        self.stats["ops"] += sent
+        for frame in frames:
+            self.stats["batches"] += 1
+            self.stats["bytes_sent"] += len(frame)
+            self._frames.append(frame)
+        if frames:
+            self.loop.call_soon_threadsafe(self._wake.set)
 
     def send_alone(self, msg: list[Any]) -> None:
         """Send ``msg`` as a batch of its own, after everything recorded so far."""

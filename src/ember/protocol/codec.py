@@ -17,11 +17,17 @@ from ..errors import LimitExceeded, ProtocolError
 from . import messages as m
 
 _packb = msgpack.Packer(use_bin_type=True, autoreset=True).pack
+_array_header = msgpack.Packer(use_bin_type=True, autoreset=True).pack_array_header
 
 
 def packb(obj: Any) -> bytes:
     """Encode one frame."""
     return _packb(obj)
+
+
+def batch_frame(encoded: list[bytes]) -> bytes:
+    """A batch frame of messages encoded one by one with ``packb``: the bytes ``packb(batch)`` gives."""
+    return _array_header(len(encoded)) + b"".join(encoded)
 
 
 def unpackb(frame: bytes, *, max_frame: int = m.DEFAULT_MAX_FRAME + 4096) -> Any:
