@@ -364,6 +364,12 @@ def jax_ops(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
             table[name] = big_ints(table[name])
     for name in ("expm1", "tanh", "sqrt"):
         table[name] = conj_symmetric(table[name])
+
+    def nonzero_complex(f: Fn) -> Fn:
+        """``all`` / ``any`` of complex values (XLA's complex64 reduction looks at the real part only)."""
+        return lambda x, **k: f(x != 0, **k) if xp.isdtype(x.dtype, "complex floating") else f(x, **k)
+
+    table["all"], table["any"] = nonzero_complex(table["all"]), nonzero_complex(table["any"])
     table["pow"] = big_ints(pow_)
     table["remainder"] = signed_remainder(xp, table["remainder"])
     for name in ("searchsorted", "argmax", "argmin", "argsort", "count_nonzero", "linalg.matrix_rank"):
