@@ -18,7 +18,7 @@ import pytest
 import ember
 import ember.array_api as xp
 from ember.client.progress import PROGRESS_MIN, Progress, choose, set_progress
-from ember.errors import ConnectError, RemoteExecutionError, SessionLost
+from ember.errors import ConnectError, LimitExceeded, RemoteExecutionError, SessionLost
 from ember.protocol import codec
 from ember.protocol import messages as m
 from ember.server import Server
@@ -136,9 +136,12 @@ def test_data_frame_upload_over_max_tensor_poisons_that_tensor_only():
     addr = srv.start_in_thread()[0]
     try:
         d = ember.connect(addr)
+        with pytest.raises(LimitExceeded, match="max_tensor of 100000 bytes.*nothing was sent"):
+            xp.asarray(np.zeros(200_000, dtype=np.uint8), device=d)  # refused by the client, from Welcome
+        d.session.max_tensor = None  # a client that ignores the announced limit: the peer refuses it too
         big = xp.asarray(np.zeros(200_000, dtype=np.uint8), device=d)
         small = xp.asarray(np.ones(70_000, dtype=np.uint8), device=d)  # a data frame, under the limit
-        with pytest.raises(RemoteExecutionError, match="max_tensor"):
+        with pytest.raises(LimitExceeded, match="max_tensor"):
             big.to_numpy()
         assert int(xp.sum(xp.astype(small, xp.int64))) == 70_000
         d.close()

@@ -13,8 +13,8 @@ from websockets.sync.client import connect as ws_connect
 
 import ember
 import ember.array_api as xp
-from ember.errors import (AuthorizationError, ConnectError, ProtocolError, RemoteExecutionError,
-                          SessionLost)
+from ember.errors import (AuthorizationError, ConnectError, LimitExceeded, ProtocolError,
+                          RemoteExecutionError, SessionLost)
 from ember.protocol import codec
 from ember.protocol import messages as m
 from ember.server import Server, token_authorizer
@@ -275,16 +275,23 @@ def test_session_lost_then_reconnect_for_new_work():
         srv2.close()
 
 
-def test_upload_over_max_tensor_poisons_that_tensor_only():
+def test_upload_over_max_tensor_is_refused_by_the_client_and_by_the_peer():
     srv = Server(["cpu"], max_tensor=1000)
     srv.listen_websocket("127.0.0.1", 0)
     addr = srv.start_in_thread()[0]
     try:
         d = ember.connect(addr)
-        big = xp.asarray(np.zeros(1000), device=d)  # 8000 bytes
+        sent = d.session.stats["bytes_sent"]
+        with pytest.raises(LimitExceeded, match="max_tensor of 1000 bytes.*nothing was sent"):
+            xp.asarray(np.zeros(1000), device=d)  # 8000 bytes: the Welcome said 1000
+        assert d.session.stats["bytes_sent"] == sent
         small = xp.asarray(np.ones(10), device=d)
-        with pytest.raises(RemoteExecutionError, match="max_tensor"):
-            big.to_numpy()
+        # a client that ignores the announced limit: the peer poisons that tensor only
+        s = small._session
+        s.record([m.UPLOAD, 999, "float64", [1000], 0, b"\0" * 8000, 8000])
+        from ember.array_api._array import RemoteArray
+        with pytest.raises(LimitExceeded, match="max_tensor"):
+            RemoteArray(999, (1000,), xp.float64, d, s).to_numpy()
         assert float(xp.sum(small)) == 10.0
         d.close()
     finally:

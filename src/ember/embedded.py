@@ -33,7 +33,7 @@ def local_server(address: str = LOCAL) -> "Server":
         srv = _servers.get(address)
         if srv is None:
             from .server import Server
-            srv = _servers[address] = Server(list(PEERS[address]))
+            srv = _servers[address] = Server(list(PEERS[address]), max_sessions_per_client=0)  # all one user
             if len(_servers) == 1:
                 atexit.register(_stop_workers)  # runs before the client's own exit handler (LIFO)
         return srv

@@ -62,10 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve WebSocket on HOST:PORT (port 0 picks a free port; repeatable)")
     s.add_argument("--tcp", action="append", default=[], type=_hostport, metavar="HOST:PORT",
                    help="serve raw TCP on HOST:PORT, dialled as tcp://HOST:PORT (fastest for bulk data; repeatable)")
-    s.add_argument("--token", default=None, help="require this credential from clients (or EMBER_TOKEN)")
-    s.add_argument("--tls-cert", default=None, metavar="PEM", help="serve WebSocket and TCP over TLS (wss://, tcps://) with this certificate chain")
-    s.add_argument("--tls-key", default=None, metavar="PEM", help="private key for --tls-cert (default: in the cert file)")
-    s.add_argument("--max-sessions", type=int, default=256)
+    from .serve import add_serve_options
+    add_serve_options(s)
     s.add_argument("--metrics", type=_hostport, default=None, metavar="HOST:PORT",
                    help="serve Prometheus /metrics on HOST:PORT (port 0 picks a free port)")
     s.add_argument("--admin-token", default=None, metavar="T",

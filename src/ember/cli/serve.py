@@ -10,24 +10,96 @@ import sys
 from typing import Any
 
 from ..errors import EmberError
-from ..server import Server, token_authorizer
+from ..server import Server
+from ..server.auth import all_of, allowlist_authorizer, read_peer_list, read_secret_file, token_authorizer
+from ..server.memory import parse_size
+from ..transport.websocket import is_loopback
+
+
+def add_serve_options(s: argparse.ArgumentParser) -> None:
+    """The flags of ``ember serve`` (besides the iroh options it shares with ``ember doctor``)."""
+    s.add_argument("--token", default=None, help="require this credential from clients (or EMBER_TOKEN)")
+    s.add_argument("--token-file", default=None, metavar="PATH",
+                   help="read the credential from the first line of PATH (keeps it out of `ps`)")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow WebSocket or TCP on a non-loopback address without a token (anyone who reaches it "
+                        "can compute)")
+    s.add_argument("--allow", action="append", default=[], metavar="PEER_ID",
+                   help="accept only these iroh peer ids (repeatable)")
+    s.add_argument("--allow-file", default=None, metavar="PATH", help="accept only the iroh peer ids in PATH (one per line)")
+    s.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve WebSocket and TCP over TLS (wss://, tcps://) with this certificate chain")
+    s.add_argument("--tls-key", default=None, metavar="PEM", help="private key for --tls-cert (default: in the cert file)")
+    lim = s.add_argument_group("limits (see the README's security model)")
+    lim.add_argument("--memory-limit", type=_size, default=None, metavar="SIZE",
+                     help="memory budget of each device (e.g. 16GiB; default 75%% of RAM, 90%% of a GPU's memory)")
+    lim.add_argument("--session-memory", type=_size, default=None, metavar="SIZE",
+                     help="memory budget of each session (default: its device's budget)")
+    lim.add_argument("--max-sessions", type=int, default=256, metavar="N", help="sessions in all (default 256)")
+    lim.add_argument("--max-sessions-per-client", type=int, default=32, metavar="N",
+                     help="sessions per client: iroh peer id, or IP address for WebSocket (default 32; 0: no limit)")
+    lim.add_argument("--max-uploads", type=int, default=8, metavar="N",
+                     help="chunked uploads in progress per session (default 8)")
+    lim.add_argument("--max-tensors", type=int, default=1 << 18, metavar="N", help="tensors per session (default 262144)")
+    lim.add_argument("--max-messages", type=int, default=16384, metavar="N", help="messages per batch (default 16384)")
+    lim.add_argument("--handshake-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="close connections that send no Hello within this time (default 10)")
+    s.add_argument("--require-relay", action="store_true",
+                   help="exit if no iroh relay answers (default: serve on direct addresses and keep retrying)")
+    s.add_argument("--no-discovery", action="store_true",
+                   help="no iroh discovery (publishing or lookups); relays, if any, still used")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    if getattr(args, "token_file", None):
+        if args.token:
+            raise EmberError("both --token and --token-file given", hint="pass one of them")
+        return read_secret_file(args.token_file, "token")
+    return args.token or os.environ.get("EMBER_TOKEN") or None
 
 
 def build_server(args: argparse.Namespace) -> Server:
-    token = args.token or os.environ.get("EMBER_TOKEN")
-    auth = token_authorizer(token.encode()) if token else None
+    token = _token(args)
+    allowed = list(getattr(args, "allow", None) or [])
+    if getattr(args, "allow_file", None):
+        allowed += read_peer_list(args.allow_file)
+    if getattr(args, "allow_file", None) and not allowed:
+        raise EmberError(f"the allowlist {args.allow_file} names no peer", hint="one 64-hex peer id per line")
+    for kind, listen in (("WebSocket", args.websocket), ("TCP", getattr(args, "tcp", None) or [])):
+        for host, port in listen:
+            if not is_loopback(host) and not token and not getattr(args, "insecure", False):
+                raise EmberError(
+                    f"refusing to serve {kind} on {host}:{port} without a token: anyone who can reach that address "
+                    f"could run computations on this peer and use its memory ({kind} authenticates nobody)",
+                    hint="pass --token-file PATH (or --token / EMBER_TOKEN) and give clients the credential; "
+                         "--insecure serves anyway; 127.0.0.1 serves this host only")
+    auth = all_of(allowlist_authorizer(allowed) if allowed else None,
+                  token_authorizer(token.encode()) if token else None)
     peers = getattr(args, "admin_peer", None) or []
     for p in peers:
         if not re.fullmatch(r"[0-9a-fA-F]{64}", p):
             raise EmberError(f"--admin-peer {p[:70]!r} is not an iroh peer id",
                              hint="a peer id is 64 hex characters (`ember keygen` prints one)")
     server = Server(args.device or ["cpu"], authorizer=auth, max_sessions=args.max_sessions,
-                    admin_tokens=admin_tokens(args), admin_peers=peers)
+                    admin_tokens=admin_tokens(args), admin_peers=peers,
+                    memory_limit=getattr(args, "memory_limit", None), session_memory=getattr(args, "session_memory", None),
+                    max_sessions_per_client=getattr(args, "max_sessions_per_client", 32),
+                    max_uploads=getattr(args, "max_uploads", 8), max_tensors=getattr(args, "max_tensors", 1 << 18),
+                    max_messages=getattr(args, "max_messages", 16384),
+                    handshake_timeout=getattr(args, "handshake_timeout", 10.0))
+    server.allowlist = allowed  # type: ignore[attr-defined]
     tls = tls_context(args.tls_cert, args.tls_key) if getattr(args, "tls_cert", None) else None
     for host, port in args.websocket:
-        server.listen_websocket(host, port, ssl=tls)
+        server.listen_websocket(host, port, ssl=tls, insecure=getattr(args, "insecure", False))
     for host, port in getattr(args, "tcp", None) or []:
-        server.listen_tcp(host, port, ssl=tls)
+        server.listen_tcp(host, port, ssl=tls, insecure=getattr(args, "insecure", False))
     if getattr(args, "metrics", None) is not None:
         server.listen_metrics(*args.metrics)
     if not getattr(args, "no_iroh", True):
@@ -41,14 +113,7 @@ def admin_tokens(args: argparse.Namespace) -> list[str]:
     if token and path:
         raise EmberError("--admin-token and --admin-token-file both given", hint="pass one of them")
     if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as e:
-            raise EmberError(f"cannot read the admin token file {path}: {e.strerror or e}",
-                             hint="write the token in a file readable by ember serve, e.g. mode 0600") from None
-        if not token:
-            raise EmberError(f"the admin token file {path} is empty", hint="put the token on its first line")
+        token = read_secret_file(path, "admin token")
     token = token or os.environ.get("EMBER_ADMIN_TOKEN") or None
     return [token] if token else []
 
@@ -77,7 +142,9 @@ def add_iroh(server: Server, args: argparse.Namespace) -> Any:
         key, path, created = load_or_create_key()
         where = f"{path} ({'created' if created else 'reused'})"
     configure_client(offline=offline)  # downloads from other peers use the same mode
-    lst = server.listen_iroh(key=key, relay=relay, offline=offline, bind=bind)
+    lst = server.listen_iroh(key=key, relay=relay, offline=offline, bind=bind,
+                             require_relay=getattr(args, "require_relay", False),
+                             discovery=not getattr(args, "no_discovery", False))
     server.iroh_listener, server.iroh_key_note = lst, where  # type: ignore[attr-defined]
     return lst
 
@@ -95,6 +162,9 @@ def serve(args: argparse.Namespace) -> int:
         print("  hint: drop --no-iroh, or add --websocket 127.0.0.1:0 or --tcp 127.0.0.1:0", file=sys.stderr)
         return 2
 
+    def relay_reached(ticket: str) -> None:
+        print(f"ember serve: iroh relay reached; ticket {ticket}", flush=True)
+
     def ready(addresses: list[str]) -> None:
         for a in addresses:  # WebSocket and TCP first, then the iroh ticket
             print(f"ember serve: listening on {a} ({describe_devices(server)})", flush=True)
@@ -111,6 +181,14 @@ def serve(args: argparse.Namespace) -> int:
             print(f"ember serve: iroh direct-addresses {' '.join(lst.direct_addresses)}", flush=True)
             print(f"ember serve: iroh relay-mode {lst.relay_mode}", flush=True)
             print(f"ember serve: iroh secret-key {server.iroh_key_note}", flush=True)  # type: ignore[attr-defined]
+            if lst.relay_warning:
+                print(f"ember serve: warning: {lst.relay_warning}", file=sys.stderr, flush=True)
+                print("  hint: the ticket above works for clients that reach a direct address; --offline skips "
+                      "relays, --require-relay exits instead", file=sys.stderr, flush=True)
+                lst.on_relay.append(relay_reached)
+            if not server.authorizer:
+                print("ember serve: note: any client holding the ticket may compute here; restrict with --allow "
+                      "or --token", file=sys.stderr, flush=True)
 
     server.run(ready)
     print("ember serve: stopped", flush=True)

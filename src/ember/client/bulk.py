@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import EmberError, ProtocolError
+from ..errors import EmberError, LimitExceeded, ProtocolError
 from ..protocol import codec
 from ..protocol import messages as m
 
@@ -68,6 +68,8 @@ class BulkData:
 
     data: bool
     chunk: int
+    max_tensor: Any       # the peer's limits from Welcome (None: not announced)
+    session_memory: Any
     read_timeout: float
     address: str
     lost: EmberError | None
@@ -81,6 +83,15 @@ class BulkData:
     _last_recv: float
     _wake: Any
 
+    def _check_upload(self, arr: np.ndarray) -> None:
+        """Refuse here what the peer announced it would refuse (nothing is sent)."""
+        for limit, name in ((self.max_tensor, "max_tensor"), (self.session_memory, "session memory budget")):
+            if isinstance(limit, int) and arr.nbytes > limit:
+                raise LimitExceeded(
+                    f"uploading {arr.shape} {arr.dtype} ({arr.nbytes} bytes) to {self.address}: over the peer's "
+                    f"{name} of {limit} bytes (announced when the session opened); nothing was sent",
+                    hint="send it in pieces, or ask the peer's operator to raise the limit")
+
     def upload(self, arr: np.ndarray, progress: Any = None) -> int:
         """Send host data; returns the new tensor id.
 
@@ -89,6 +100,7 @@ class BulkData:
         copied, so it must not change meanwhile), ``progress`` (``client.progress``) showing it.
         A peer that speaks no data frames gets MessagePack chunks, as before."""
         arr = np.asarray(arr, order="C")
+        self._check_upload(arr)
         tid = next(self.ids)
         flat = memoryview(arr.reshape(-1).view(np.uint8))
         total, dt, shape = len(flat), arr.dtype.name, list(arr.shape)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .._version import __version__
-from ..errors import (AuthorizationError, ConnectError, EmberError, ProtocolError, SessionLost,
+from ..errors import (AuthorizationError, ConnectError, EmberError, LimitExceeded, ProtocolError, SessionLost,
                       from_wire)
 from ..protocol import codec
 from ..protocol import messages as m
@@ -66,6 +66,10 @@ class ClientSession(BulkData):
         limits = welcome.get("limits", {})
         self.max_frame = int(limits.get("max_frame", m.DEFAULT_MAX_FRAME))
         self.chunk = int(limits.get("chunk", m.DEFAULT_CHUNK))
+        self.max_tensor = limits.get("max_tensor")        # what the peer accepts: refused here, before sending
+        self.session_memory = limits.get("session_memory")
+        if limits.get("max_messages"):  # the peer ends a session whose batch is longer (a few messages spare)
+            self.max_batch = max_batch = max(1, min(max_batch, (int(limits["max_messages"]) - 2) // 2))
         self.ids = itertools.count(1)
         self._reqs = itertools.count(1)
         self._lock = threading.Lock()
@@ -565,6 +569,9 @@ async def open_session(conn: FrameConnection, *, address: str, device: int, cred
         raise ProtocolError(reason, hint="install the same ember version on both sides")
     if code == m.REJECT_DEVICE:
         raise ConnectError(reason, hint="ember.devices(address) lists the peer's devices")
+    if code in (m.REJECT_LIMIT, m.REJECT_FULL):
+        raise ConnectError(f"{address} refused the session: {reason}",
+                           hint="close devices you no longer use (dev.close()), or try again later")
     raise ConnectError(f"{address} refused the session: {reason}")
 
 

@@ -9,6 +9,7 @@ straight into the destination array.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any, Iterator
 
 import msgpack
@@ -30,14 +31,45 @@ def batch_frame(encoded: list[bytes]) -> bytes:
     return _array_header(len(encoded)) + b"".join(encoded)
 
 
+#: Frames above this size are decoded counting their arrays and maps (see :func:`unpackb`).
+COUNTED_ABOVE = 64 * 1024
+
+
+class _TooManyObjects(Exception):
+    pass
+
+
+def _counting_hooks(limit: int) -> dict[str, Any]:
+    left = [limit]
+
+    def seen(obj: Any) -> Any:
+        left[0] -= 1
+        if left[0] < 0:
+            raise _TooManyObjects
+        return obj
+    return {"list_hook": seen, "object_hook": seen}
+
+
 def unpackb(frame: bytes, *, max_frame: int = m.DEFAULT_MAX_FRAME + 4096) -> Any:
-    """Decode one frame, turning every decoding failure into ``ProtocolError``."""
-    if len(frame) > max_frame:
-        raise LimitExceeded(f"frame of {len(frame)} bytes exceeds the limit of {max_frame} bytes")
+    """Decode one frame, turning every decoding failure into ``ProtocolError``.
+
+    A MessagePack empty array is one byte but a Python list of 56: decoded, a frame of
+    nested empty arrays is ~70x its size. Frames above :data:`COUNTED_ABOVE` bytes are
+    therefore decoded counting arrays and maps, at most one per 4 bytes of frame (real
+    frames have fewer: an upload chunk has three), which keeps a decoded frame
+    within ~25x its size; smaller frames decode at full speed (at most a few MB).
+    """
+    n = len(frame)
+    if n > max_frame:
+        raise LimitExceeded(f"frame of {n} bytes exceeds the limit of {max_frame} bytes")
     try:
-        return msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        if n <= COUNTED_ABOVE:
+            return msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        return msgpack.unpackb(frame, raw=False, strict_map_key=False, **_counting_hooks(n // 4 + 4096))
+    except _TooManyObjects:
+        raise LimitExceeded(f"frame of {n} bytes holds more than {n // 4 + 4096} arrays and maps") from None
     except Exception as e:  # msgpack raises several unrelated types
-        raise ProtocolError(f"malformed frame ({len(frame)} bytes): {type(e).__name__}: {e}") from None
+        raise ProtocolError(f"malformed frame ({n} bytes): {type(e).__name__}: {str(e)[:200]}") from None
 
 
 # ---- data frames ------------------------------------------------------------------
@@ -187,16 +219,33 @@ def decode_reply(frame: bytes) -> dict[str, Any]:
 
 # ---- batches and responses -----------------------------------------------------
 
-def decode_batch(frame: bytes, max_frame: int) -> list[list[Any]]:
-    """Decode a client batch; every message must be a non-empty array with a known kind."""
+def decode_batch(frame: bytes, max_frame: int, max_messages: int | None = None) -> list[list[Any]]:
+    """Decode a client batch; every message must be a non-empty array with a known kind.
+
+    ``max_messages``: LimitExceeded for a batch of more messages than that.
+    """
     batch = unpackb(frame, max_frame=max_frame)
     if not isinstance(batch, list):
         raise ProtocolError(f"a batch must be an array of messages, got {type(batch).__name__}")
+    if max_messages is not None and len(batch) > max_messages:
+        raise LimitExceeded(f"batch of {len(batch)} messages exceeds this peer's limit of {max_messages}")
     n = len(m.KIND_NAMES)
     for msg in batch:
-        if not isinstance(msg, list) or not msg or not isinstance(msg[0], int) or not 0 <= msg[0] < n:
-            raise ProtocolError(f"malformed message in batch: {str(msg)[:80]}")
+        if not isinstance(msg, list) or not msg or type(msg[0]) is not int or not 0 <= msg[0] < n:
+            raise ProtocolError(f"malformed message in batch: {safe_repr(msg)}")
     return batch
+
+
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother, _repr.maxlist, _repr.maxdict = 3, 80, 80, 8, 8
+
+
+def safe_repr(v: Any, limit: int = 80) -> str:
+    """repr of a client-sent value for a message: bounded in depth and length, never a RecursionError."""
+    try:
+        return _repr.repr(v)[:limit]
+    except Exception:  # noqa: BLE001
+        return f"<{type(v).__name__}>"
 
 
 def decode_responses(frame: bytes, max_frame: int) -> list[list[Any]]:

@@ -45,7 +45,8 @@ Client → server messages (positions after the kind)::
 Server → client responses: ``[req, status, payload]`` with status OK,
 ERROR (payload ``{kind, message, op}``) or CHUNK (part of a large read:
 ``[offset, data, total]``; the final OK carries ``[dtype, shape, offset, data,
-total]``). ``req == 0`` with ERROR is a session-level error (the session ends).
+total]``). ``req == 0`` with ERROR is a session-level error (the session ends);
+``[0, OK, None]`` is a keepalive (the peer is busy but alive; clients ignore it).
 ``[0, NEED_GRAPH, gid]``: a REPLAY named a graph this session's cache does not
 hold; the server holds that REPLAY and everything after it until a GRAPH with
 that gid arrives (see ``ember.client.graph`` for the graph protocol).
@@ -101,6 +102,7 @@ REJECT_DEVICE = "device"
 REJECT_UNAUTHORIZED = "unauthorized"
 REJECT_FULL = "full"
 REJECT_PROTOCOL = "protocol"
+REJECT_LIMIT = "limit"      # a per-client limit (sessions per client identity)
 
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 DEFAULT_CHUNK = 1024 * 1024

@@ -49,8 +49,8 @@ class Backend:
     def dtype(self, name: str) -> Any:
         try:
             return self.dtype_objs[name]
-        except KeyError:
-            raise TypeError(f"device {self.spec} ({self.kind}) has no dtype {name!r}") from None
+        except (KeyError, TypeError):  # TypeError: not even a name (a map would make a structured dtype)
+            raise TypeError(f"device {self.spec} ({self.kind}) has no dtype {str(name)[:40]!r}") from None
 
     def from_host(self, arr: np.ndarray) -> Any:
         """Host NumPy array -> array on this device."""

@@ -22,18 +22,25 @@ from typing import Any, Callable
 from ..errors import ProtocolError
 from ..protocol import codec
 from ..protocol import messages as m
+from ..protocol.codec import safe_repr
 from .backends import Backend
 
 Step = tuple[Any, tuple[int, ...], tuple[int, ...], "dict[str, Any] | None", str, tuple[int, ...],
              "Exception | None"]
 
 
+#: Registers (inputs + scalars + op outputs) of one graph, at most: a replay allocates its register file.
+MAX_REGISTERS = 1 << 20
+#: Bytes of compiled graphs one session's cache holds, at most (least recently used evicted first).
+MAX_CACHE_BYTES = 64 << 20
+
+
 class CompiledGraph:
     __slots__ = ("gid", "n_in", "scalars", "n_s", "steps", "kept", "consumed", "n_reg", "n_ops", "wire_bytes",
-                 "replay_bytes", "saved")
+                 "replay_bytes", "saved", "nbytes")
 
     def __init__(self, gid: int, n_in: int, scalars: list[Any], steps: tuple[Step, ...], kept: tuple[int, ...],
-                 consumed: tuple[int, ...], n_reg: int) -> None:
+                 consumed: tuple[int, ...], n_reg: int, nbytes: int = 0) -> None:
         self.gid = gid
         self.n_in = n_in
         self.scalars = scalars
@@ -42,6 +49,7 @@ class CompiledGraph:
         self.kept = kept
         self.consumed = consumed
         self.n_reg = n_reg
+        self.nbytes = nbytes  # an estimate of what the compiled graph occupies (charged to the session)
         self.n_ops = len(steps)
         self.wire_bytes = 0    # the GRAPH message's size (set by compile_graph)
         self.replay_bytes = 0  # a REPLAY's size, estimated (ids as 32-bit ints, no scalar overrides)
@@ -76,21 +84,25 @@ def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend:
     first_out = n_in + len(scalars)
     reg = first_out
     steps: list[Step] = []
+    cost = 64 * len(scalars) + 8 * first_out
     for op in body:
         if not isinstance(op, list) or len(op) != 4:
-            raise ProtocolError(f"malformed Graph op {str(op)[:80]}")
+            raise ProtocolError(f"malformed Graph op {safe_repr(op)}")
         name, regs, nouts, kwargs = op
         if not isinstance(name, str) or not isinstance(regs, list) or not (kwargs is None or isinstance(kwargs, dict)):
-            raise ProtocolError(f"malformed Graph op {str(op)[:80]}")
+            raise ProtocolError(f"malformed Graph op {safe_repr(op)}")
         for r in regs:
-            _int(r, f"a register of op {name!r}", 0, reg)
-        _int(nouts, f"the output count of op {name!r}", 0, 1 << 16)  # 0: an in-place op
+            _int(r, f"a register of op {name[:40]!r}", 0, reg)
+        _int(nouts, f"the output count of op {name[:40]!r}", 0, 1 << 16)  # 0: an in-place op
+        if reg + nouts > MAX_REGISTERS:
+            raise ProtocolError(f"graph of more than {MAX_REGISTERS} registers exceeds this peer's limit")
+        cost += 256 + 8 * (len(regs) + nouts) + 64 * len(kwargs or ())
         err: Exception | None = None
         kw = None
         if kwargs:
             kw = dict(kwargs)  # private copy: the replay never sees a mutated body
             try:
-                if "dtype" in kw and type(kw["dtype"]) is str:
+                if "dtype" in kw and kw["dtype"] is not None:
                     kw["dtype"] = backend.dtype(kw["dtype"])
                 if "axis" in kw and type(kw["axis"]) is list:
                     kw["axis"] = tuple(kw["axis"])
@@ -103,16 +115,25 @@ def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend:
         _int(r, "a kept register", first_out, reg)
     for k in consumed:
         _int(k, "a consumed input", 0, n_in)
-    g = CompiledGraph(gid, n_in, scalars, tuple(steps), tuple(kept), tuple(consumed), reg)
+    g = CompiledGraph(gid, n_in, scalars, tuple(steps), tuple(kept), tuple(consumed), reg, cost + 8 * reg)
     _sizes(g, msg)
     return g
 
 
 class GraphCache:
-    """gid -> CompiledGraph, least recently used evicted first."""
+    """gid -> CompiledGraph, least recently used evicted first; bounded in count and in bytes.
 
-    def __init__(self, capacity: int) -> None:
+    ``memory`` (a :class:`~ember.server.memory.SessionMemory`) is charged each entry's
+    estimated size while it is cached (counted, not refused: the byte bound evicts instead).
+    Evicting for bytes can make a client's mirror of the LRU disagree; the NEED_GRAPH
+    round trip then restores the graph, so results never change.
+    """
+
+    def __init__(self, capacity: int, *, memory: Any = None, max_bytes: int = MAX_CACHE_BYTES) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.memory = memory
+        self.nbytes = 0
         self._d: OrderedDict[int, CompiledGraph] = OrderedDict()
         self.evictions = 0
 
@@ -128,12 +149,23 @@ class GraphCache:
 
     def put(self, g: CompiledGraph) -> None:
         d = self._d
-        if g.gid in d:
-            d.move_to_end(g.gid)
+        old = d.pop(g.gid, None)
+        if old is not None:
+            self._account(-old.nbytes)
         d[g.gid] = g
-        while len(d) > self.capacity:
-            d.popitem(last=False)
+        self._account(g.nbytes)
+        while len(d) > self.capacity or (self.nbytes > self.max_bytes and len(d) > 1):
+            _, gone = d.popitem(last=False)
+            self._account(-gone.nbytes)
             self.evictions += 1
+
+    def _account(self, n: int) -> None:
+        self.nbytes += n
+        if self.memory is not None:
+            if n > 0:
+                self.memory.charge(n, "a graph-cache entry", strict=False)
+            elif n < 0:
+                self.memory.release(-n)
 
     def __len__(self) -> int:
         return len(self._d)
@@ -143,3 +175,4 @@ class GraphCache:
 
     def clear(self) -> None:
         self._d.clear()
+        self._account(-self.nbytes)

@@ -15,9 +15,14 @@ import numpy as np
 from ..errors import LimitExceeded, ProtocolError, RemoteExecutionError, to_wire
 from ..protocol import codec, ops
 from ..protocol import messages as m
+from ..protocol.codec import safe_repr
 from .adapters import adapt
 from .backends import Backend, UnknownOp
-from .graph_cache import GraphCache, compile_graph
+from .graph_cache import GraphCache
+from .memory import DeviceMemory, SessionMemory, footprint_for, host_copy_bytes
+from .replay import (GraphReplay, NeedGraph, Poison, call_text, describe, describe_layouts, limit_poison,
+                     store_results)
+from .sizes import PREDICTED, THRESHOLD, custom_outputs, predict, upload_fault
 from .telemetry import OFF
 
 #: ``respond(responses)`` sends one frame of responses; ``respond([[req, OK, [dtype, shape, 0, nil, total]]],
@@ -60,25 +65,11 @@ def build_table(backend: Backend) -> dict[str, Callable[..., Any]]:
     return table
 
 
-#: Chunked uploads one session may have half-sent at once (each holds a buffer of its full size).
-MAX_PARTIAL_UPLOADS = 64
-
-
-def store_results(store: Any, outs: list[int], res: Any, name: str) -> None:
-    """Put a multi-output op's results under their ids (or registers)."""
-    if len(res) != len(outs):
-        raise ValueError(f"{name} returned {len(res)} results for {len(outs)} outputs")
-    for o, r in zip(outs, res):
-        store[o] = r
-
-
-class Poison:
-    """Why a tensor has no value."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: dict[str, Any]) -> None:
-        self.error = error
+#: Defaults of the per-session limits (``Server(max_uploads=..., max_tensors=...)`` overrides them).
+MAX_PARTIAL_UPLOADS = 8
+"""Chunked uploads one session may have half-sent at once (each is charged its declared total)."""
+MAX_TENSORS = 1 << 18
+"""Tensor ids (values and poisoned ids, each) one session may hold at once."""
 
 
 class Placed:
@@ -91,25 +82,9 @@ class Placed:
         self.n = n
 
 
-class _Missing:
-    """A replay input id the session does not hold (in a replay's register file)."""
-
-    __slots__ = ("tid",)
-
-    def __init__(self, tid: Any) -> None:
-        self.tid = tid
-
-
-class NeedGraph(Exception):
-    """A REPLAY named a graph the cache does not hold."""
-
-    def __init__(self, gid: Any) -> None:
-        super().__init__(gid)
-        self.gid = gid
-
-
-#: Messages a stalled session (waiting for a GRAPH it asked for) holds, at most.
-MAX_STALLED = 1 << 20
+_ELEMENTWISE = ops.ELEMENTWISE
+SMALL = THRESHOLD // 16
+"""Operands below this many bytes cannot make an elementwise result worth reserving for."""
 
 #: What the network loop may run itself (see ``Interpreter.cheap``).
 INLINE_OPS = ops.ELEMENTWISE
@@ -118,28 +93,16 @@ INLINE_MAX_ELEMENTS = 4096
 INLINE_MAX_BYTES = 256 * 1024
 
 
-def _describe_layouts(kwargs: Any) -> str:
-    """An ATen call's operands as the client sees them (from its layouts), e.g. ``(4, 3) float32``."""
-    try:
-        return ", ".join(f"{tuple(lay[0])} {lay[3]}" for lay in kwargs["l"]) if "l" in kwargs else ""
-    except Exception:
-        return ""
+def _unbounded() -> SessionMemory:
+    return DeviceMemory(None, "unbounded").session(None, "interpreter")
 
 
-def _describe(vals: list[Any]) -> str:
-    parts = []
-    for v in vals:
-        shape = getattr(v, "shape", None)
-        parts.append(f"{tuple(shape)} {getattr(v, 'dtype', '')}".strip() if shape is not None else repr(v))
-    return ", ".join(parts)
-
-
-class Interpreter:
+class Interpreter(GraphReplay):
     """State and execution of one session (runs on the session's worker thread)."""
 
     def __init__(self, backend: Backend, table: dict[str, Callable[..., Any]],
                  custom_ops: dict[str, Callable[..., Any]], respond: Respond,
-                 limits: dict[str, int]) -> None:
+                 limits: dict[str, int], memory: SessionMemory | None = None) -> None:
         self.backend = backend
         if backend.kind == "torch":  # ATen ops of ember.torch: a per-session table (own random stream)
             from .aten import AtenOps
@@ -148,9 +111,19 @@ class Interpreter:
         self.custom_ops = custom_ops
         self.respond = respond
         self.limits = limits
+        self.mem = memory if memory is not None else _unbounded()
+        self._aten = backend.kind == "torch"  # ATen kernels may write (and grow) their operands
+        self._numpy = backend.kind == "numpy"
+        self._fp = footprint_for(backend.kind)
+        self.max_tensors = int(limits.get("max_tensors", MAX_TENSORS))
+        self.max_uploads = int(limits.get("max_uploads", MAX_PARTIAL_UPLOADS))
         self.tensors: dict[int, Any] = {}
         self.poison: dict[int, Poison] = {}
-        self._uploads: dict[int, tuple[Any, str, list[int]]] = {}
+        self._uploads: dict[int, tuple[Any, str, list[int], int]] = {}  # id -> (buffer, dtype, shape, total)
+        self._out_bytes = 0  # bytes of tensor data in the responses being gathered
+        self.on_stall: Callable[[], None] | None = None  # the session arms its stall deadline
+        self.on_fatal: Callable[..., None] | None = None  # the session ends itself on a session-level error
+        self.fatal: tuple[ProtocolError, bool] | None = None  # such an error, pending the batch's end
         self.data_frames = False  # the client speaks data frames (read answers go out in them)
         self.handlers: tuple[Callable[[list[Any], list[list[Any]]], None] | None, ...] = (
             self.op, self.upload, self.drop, self.read, self.sync, self.custom, self.close, self.sync,
@@ -158,7 +131,7 @@ class Interpreter:
         self.ops_run = 0
         self.probe, self.label = OFF, ""  # telemetry (server/telemetry.py): the session sets both
         self.graph_hits = self.graph_misses = self.replayed_ops = self.graph_saved = 0
-        self.graphs = GraphCache(int(limits.get("graph_cache", m.DEFAULT_GRAPH_CACHE)))
+        self.graphs = GraphCache(int(limits.get("graph_cache", m.DEFAULT_GRAPH_CACHE)), memory=self.mem)
         self._stalled: list[list[Any]] | None = None  # REPLAY of an unknown graph + everything after it
         self._stall_gid: Any = None
 
@@ -180,6 +153,12 @@ class Interpreter:
         """
         if self.backend.kind != "numpy" or len(batch) > INLINE_MAX_MESSAGES or self._stalled is not None:
             return False
+        try:
+            return self._cheap(batch)
+        except Exception:  # noqa: BLE001 - hostile fields (an unhashable name...): not cheap, the worker judges
+            return False
+
+    def _cheap(self, batch: list[list[Any]]) -> bool:
         t = self.tensors
         for msg in batch:
             kind = msg[0]
@@ -223,34 +202,38 @@ class Interpreter:
         if rec is not None:
             names, times, clock, shapes = rec.names.append, rec.times.append, rec.clock, rec.outputs is not None
         out: list[list[Any]] = []
+        self._out_bytes = 0
+        self.mem.settle()  # releases other threads queued (exposures used up elsewhere)
         handlers, run_op = self.handlers, self.op
         for msg in batch:
             kind = msg[0]
-            if kind == m.OP:
-                run_op(msg, out)
-                if rec is not None:
-                    names(msg[1])
-                    times(clock())
-                    if shapes:
-                        rec.add_outputs(self.tensors, msg)
-                continue
-            h = handlers[kind]
-            if h is None:
-                self._malformed(msg, out, ProtocolError(f"{m.KIND_NAMES[kind]} is not supported by this peer"))
-            else:
-                try:
-                    h(msg, out)
-                except NeedGraph as e:  # hold this REPLAY and all after it until the client re-sends the graph
-                    i = next(i for i, x in enumerate(batch) if x is msg)
-                    self._stalled, self._stall_gid = batch[i:], e.gid
-                    out.append([0, m.NEED_GRAPH, e.gid])
-                    self.graph_misses += 1
-                    self.probe.graph_missed(self.label, e.gid)
+            try:
+                if kind == m.OP:
+                    run_op(msg, out)
                     if rec is not None:
-                        rec.other(kind, msg, self)
-                    break
-                except Exception as e:  # a malformed message: answer it, keep the session
-                    self._malformed(msg, out, e)
+                        names(msg[1])
+                        times(clock())
+                        if shapes:
+                            rec.add_outputs(self.tensors, msg)
+                    continue
+                h = handlers[kind]
+                if h is None:
+                    self._malformed(msg, out, ProtocolError(f"{m.KIND_NAMES[kind]} is not supported by this peer"))
+                else:
+                    h(msg, out)
+            except NeedGraph as e:  # hold this REPLAY and all after it until the client re-sends the graph
+                i = next(i for i, x in enumerate(batch) if x is msg)
+                self._stalled, self._stall_gid = batch[i:], e.gid
+                out.append([0, m.NEED_GRAPH, e.gid])
+                self.graph_misses += 1
+                self.probe.graph_missed(self.label, e.gid)
+                if rec is not None:
+                    rec.other(kind, msg, self)
+                if self.on_stall is not None:
+                    self.on_stall()
+                break
+            except Exception as e:  # a malformed message: answer it, keep the session
+                self._malformed(msg, out, e)
             if rec is not None:
                 rec.other(kind, msg, self)
         self.ops_run += len(batch)
@@ -259,30 +242,9 @@ class Interpreter:
         if rec is not None:
             self.probe.batch(self.label, rec, received, inline)
 
-    def _resume(self, batch: list[list[Any]]) -> list[list[Any]] | None:
-        """Stalled: register the awaited GRAPH if this batch brings it, then run everything held, in order."""
-        stalled, gid = self._stalled, self._stall_gid
-        assert stalled is not None
-        for msg in batch:
-            if msg[0] == m.GRAPH and len(msg) > 1 and msg[1] == gid:
-                out: list[list[Any]] = []
-                self.graph(msg, out)
-                if out:
-                    self.respond(out)
-                break
-        else:
-            stalled.extend(batch)
-            if len(stalled) > MAX_STALLED:
-                self._stalled = None
-                self.respond([[0, m.ERROR, to_wire(ProtocolError(
-                    f"the session waited for graph {gid} past {MAX_STALLED} messages; the client never sent it"))]])
-            return None
-        self._stalled = self._stall_gid = None
-        stalled.extend(batch)
-        return stalled
-
     def _malformed(self, msg: list[Any], out: list[list[Any]], e: Exception) -> None:
-        err = e if isinstance(e, ProtocolError) else ProtocolError(f"malformed {m.KIND_NAMES[msg[0]]} message: {e}")
+        err = e if isinstance(e, ProtocolError) else ProtocolError(
+            f"malformed {m.KIND_NAMES[msg[0]]} message: {type(e).__name__}: {str(e)[:200]}")
         req = msg[1] if len(msg) > 1 and msg[0] in (m.READ, m.SYNC, m.SHAPE) and isinstance(msg[1], int) else 0
         self.probe.error(self.label, "ProtocolError", type(e).__name__, None, err.message, False)
         if req:
@@ -299,21 +261,37 @@ class Interpreter:
             vals = [a if smask >> i & 1 else t[a] for i, a in enumerate(args)] if smask else [t[a] for a in args]
             fn = self.table[name]
             if kwargs:
-                if "dtype" in kwargs and type(kwargs["dtype"]) is str:
-                    kwargs["dtype"] = self.backend.dtype(kwargs["dtype"])
+                if "dtype" in kwargs and kwargs["dtype"] is not None:
+                    kwargs["dtype"] = self.backend.dtype(kwargs["dtype"])  # a dtype name, nothing else
                 if "axis" in kwargs and type(kwargs["axis"]) is list:
                     kwargs["axis"] = tuple(kwargs["axis"])
-                res = fn(*vals, **kwargs)
+            reserved = 0
+            if name in PREDICTED:
+                if name in _ELEMENTWISE and 0 < len(vals) <= 2:  # the hot path, inlined: small operands
+                    a, b = vals[0], vals[-1]
+                    na, nb = getattr(a, "nbytes", 0), getattr(b, "nbytes", 0)
+                    if not (na < SMALL and nb < SMALL and (not na or not nb or a.shape == b.shape)):
+                        reserved = self._reserve(name, vals, kwargs)
+                else:
+                    reserved = self._reserve(name, vals, kwargs)
+            written = self._footprints(fn, args, kwargs) if self._aten else None
+            if reserved:
+                try:
+                    res = fn(*vals, **kwargs) if kwargs else fn(*vals)
+                finally:
+                    self.mem.release(reserved)
             else:
-                res = fn(*vals)
+                res = fn(*vals, **kwargs) if kwargs else fn(*vals)
+            if written:
+                self._recharge(written, name)
             if len(outs) == 1:
-                t[outs[0]] = res
+                self.put(outs[0], res, name)
             else:
-                store_results(t, outs, res, name)
+                self._put_all(outs, res, name)
         except Exception as e:
             if not isinstance(name, str):
-                name = repr(name)
-            self._fail(name, args, smask, list(outs) + self._written(name, args, kwargs), e, kwargs)
+                name = safe_repr(name)
+            self._fail(name, args, smask, self._with_written(outs, name, args, kwargs), e, kwargs)
 
     def _written(self, name: str, args: Any, kwargs: Any) -> list[Any]:
         """Ids of the inputs an op writes in place (ATen in-place and out= ops): poisoned when it fails."""
@@ -325,150 +303,152 @@ class Interpreter:
         except Exception:
             return []
 
+    def _with_written(self, outs: Any, name: str, args: Any, kwargs: Any) -> Any:
+        w = self._written(name, args, kwargs)
+        if not w:
+            return outs
+        try:
+            return list(outs) + w
+        except TypeError:
+            return w
+
     def _why(self, name: str, e: Exception, missing: list[Any]) -> str:
         """What to tell the client about a failed op (unknown names, missing inputs, the error)."""
         if isinstance(e, UnknownOp):
             return str(e)
         if isinstance(e, KeyError) and self.table.get(name) is None and name not in self.custom_ops:
             if name.startswith(("aten.", "torch.")) and self.backend.kind != "torch":
-                return (f"ATen op {name!r} needs a torch device, and device {self.backend.spec} is a "
+                return (f"ATen op {safe_repr(name)} needs a torch device, and device {self.backend.spec} is a "
                         f"{self.backend.kind} device: serve with --device torch:cpu or --device torch:cuda:N")
-            return f"unknown op {name!r}: not an Array API function this peer offers nor a registered custom op"
+            return (f"unknown op {safe_repr(name)}: not an Array API function this peer offers nor a registered "
+                    "custom op")
         if isinstance(e, KeyError) and missing:
-            return f"input tensor id(s) {missing} unknown to this session (dropped or never created)"
-        return f"{type(e).__name__}: {e}"
+            return f"input tensor id(s) {missing[:16]} unknown to this session (dropped or never created)"
+        return f"{type(e).__name__}: {str(e)[:500]}"
 
-    def _fail(self, name: str, args: Any, smask: int, outs: Any, e: Exception, kwargs: Any = None) -> None:
+    # ---- memory: what each tensor costs (see server/memory.py) ---------------------------
+    def _reserve(self, name: str, vals: list[Any], kwargs: Any) -> int:
+        """Charge an op's predicted output before it runs when it may exceed what its inputs hold."""
+        if name in ops.ELEMENTWISE and len(vals) <= 2:  # the hot path: small operands, no broadcast
+            a = vals[0] if vals else None
+            b = vals[1] if len(vals) == 2 else None
+            na, nb = getattr(a, "nbytes", 0), getattr(b, "nbytes", 0)
+            if na < SMALL and nb < SMALL and (not na or not nb or a.shape == b.shape):
+                return 0  # at most 8x an operand under THRESHOLD / 16: charged once it exists
+        need = predict(name, vals, kwargs, self.backend.xp)
+        if not need:
+            return 0
+        fp = self._fp
+        if need <= max((fp(v)[1] for v in vals if getattr(v, "shape", None) is not None), default=0):
+            return 0  # no larger than an input: charged once it exists
+        self.mem.charge(need, lambda: call_text(name, vals, kwargs))
+        return need
+
+    def _footprints(self, fn: Any, args: Any, kwargs: Any) -> list[tuple[Any, int, int]] | None:
+        """(id, buffer key, bytes) of the operands an in-place op writes (ATen ops on torch devices)."""
+        if not self._aten:
+            return None
+        w = getattr(fn, "written", None)
+        if w is None:
+            return None
+        try:
+            ids = [args[p] for p in w(kwargs) if p < len(args)]
+        except Exception:  # noqa: BLE001 - a malformed call fails in the op itself
+            return None
+        t, fp = self.tensors, self._fp
+        return [(i, *fp(t[i])) for i in ids if type(i) is int and i in t]
+
+    def _recharge(self, before: list[tuple[Any, int, int]], name: str) -> None:
+        """A written operand may have grown (``resize_``, ``out=``): charge what it holds now, or
+        poison it (freeing it) when that is over a budget."""
+        t, fp, mem = self.tensors, self._fp, self.mem
+        for tid, key, n in before:
+            v = t.get(tid)
+            if v is None:
+                continue
+            nkey, nn = fp(v)
+            if (nkey, nn) == (key, n):
+                continue
+            mem.unhold(key)
+            try:
+                mem.hold(nkey, nn, (name, v))
+            except LimitExceeded as e:
+                t.pop(tid, None)  # its new buffer was never charged: nothing to release
+                self._set_poison([tid], limit_poison(name, self.backend.spec, e))
+
+    def put(self, tid: Any, value: Any, what: str, prepaid: int = 0) -> None:
+        """Store ``value`` under ``tid``, charging its buffer (LimitExceeded: nothing stored or charged)."""
+        t = self.tensors
+        old = t.get(tid)
+        if old is None and len(t) >= self.max_tensors:
+            self.mem.release(prepaid)
+            raise LimitExceeded(f"this session already holds {len(t)} tensors, the most this peer allows "
+                                f"(max_tensors)", hint="free arrays you no longer need (del x)")
+        if self._numpy and type(value) is np.ndarray and value.base is None:  # the hot path, inlined
+            key, n = id(value), value.nbytes
+        else:
+            key, n = self._fp(value)
+        self.mem.hold(key, n, (what, value), prepaid)
+        t[tid] = value
+        if old is not None:
+            self.mem.unhold(self._fp(old)[0])
+        elif self.poison:
+            self.poison.pop(tid, None)  # a reused id: its old error is gone with it
+
+    def _put_all(self, outs: list[Any], res: Any, name: str) -> None:
+        if len(res) != len(outs):
+            raise ValueError(f"{name} returned {len(res)} results for {len(outs)} outputs")
+        done = []
+        try:
+            for o, r in zip(outs, res):
+                self.put(o, r, name)
+                done.append(o)
+        except Exception:
+            for o in done:  # all outputs or none
+                self.forget(o)
+            raise
+
+    def forget(self, tid: Any) -> None:
+        """Drop ``tid`` (value or poison), releasing its buffer when nothing else refers to it."""
+        v = self.tensors.pop(tid, None)
+        if v is None:
+            self.poison.pop(tid, None)
+        elif self._numpy and type(v) is np.ndarray and v.base is None:
+            self.mem.unhold(id(v))
+        else:
+            self.mem.unhold(self._fp(v)[0])
+
+    def _set_poison(self, outs: Any, poison: Poison) -> None:
+        p = self.poison
+        try:
+            for o in outs:
+                self.forget(o)
+                if len(p) >= self.max_tensors:  # bounded: the oldest poisoned ids are forgotten first
+                    del p[next(iter(p))]
+                p[o] = poison
+        except TypeError:  # not a list of ids: nothing to poison
+            pass
+
+    def _fail(self, name: str, args: Any, smask: Any, outs: Any, e: Exception, kwargs: Any = None) -> None:
         """Poison ``outs`` with the error (or the upstream poison an input carries)."""
         try:
-            ids = [a for i, a in enumerate(args) if not smask >> i & 1]
+            ids = [a for i, a in enumerate(args) if not smask >> i & 1 and type(a) is int]
         except TypeError:
             ids = []
+        name = name if isinstance(name, str) else safe_repr(name)
         upstream = next((self.poison[i] for i in ids if i in self.poison), None)
         if upstream is not None:
             poison = upstream
+        elif isinstance(e, LimitExceeded):
+            poison = limit_poison(name, self.backend.spec, e)
+            self.probe.error(self.label, "LimitExceeded", type(e).__name__, name, poison.error["message"], True)
         else:
             msg = self._why(name, e, [i for i in ids if i not in self.tensors])
-            desc = _describe_layouts(kwargs) or _describe([self.tensors.get(i, "?") for i in ids])
+            desc = describe_layouts(kwargs) or describe([self.tensors.get(i, "?") for i in ids])
             poison = Poison({"kind": "RemoteExecutionError", "op": name,
                              "message": f"op {name}({desc}) failed on {self.backend.spec}: {msg}"})
             self.probe.error(self.label, "RemoteExecutionError", type(e).__name__, name, poison.error["message"], True)
-        try:
-            for o in outs:
-                self.tensors.pop(o, None)
-                self.poison[o] = poison
-        except TypeError:
-            pass
-
-    # ---- graphs ---------------------------------------------------------------------
-    def graph(self, msg: list[Any], out: list[list[Any]]) -> None:
-        """Register (or refresh) a graph. A malformed one is a client bug: a session-level error."""
-        try:
-            g = compile_graph(msg, self.table, self.backend)
-        except ProtocolError as e:
-            out.append([0, m.ERROR, to_wire(e)])
-            return
-        evicted = self.graphs.evictions
-        self.graphs.put(g)
-        if self.graphs.evictions != evicted:
-            self.probe.graph_evicted(self.label, self.graphs.evictions - evicted)
-
-    def replay(self, msg: list[Any], out: list[list[Any]]) -> None:
-        """Run a registered graph: the same ops, the same poisoning, as if each op had been sent."""
-        _, gid, ins, outs, scal = msg
-        g = self.graphs.get(gid)
-        if g is None:
-            raise NeedGraph(gid)
-        n_in = g.n_in
-        if type(outs) is int:  # dense ids: output register r gets id outs + r - (first output register)
-            first = outs - n_in - g.n_s
-            outs = [first + r for r in g.kept]
-        if len(ins) != n_in or len(outs) != len(g.kept) or len(scal) % 2:
-            raise ProtocolError(f"Replay of graph {gid} binds {len(ins)} inputs and {len(outs)} outputs; "
-                                f"the graph has {n_in} and {len(g.kept)}")
-        self.graph_hits += 1
-        self.replayed_ops += g.n_ops
-        self.graph_saved += g.saved
-        t, poison = self.tensors, self.poison
-        R: list[Any] = [None] * g.n_reg
-        spoiled: dict[Any, Poison] = {}
-        bad = False
-        for k, i in enumerate(ins):
-            v = t.get(i)
-            if v is None:
-                v = poison.get(i) or _Missing(i)
-                bad = True
-            R[k] = v
-        R[n_in:n_in + g.n_s] = g.scalars
-        for j in range(0, len(scal), 2):
-            idx = scal[j]
-            if type(idx) is not int or not 0 <= idx < g.n_s:
-                raise ProtocolError(f"Replay of graph {gid} overrides scalar {idx!r} of {g.n_s}")
-            R[n_in + idx] = scal[j + 1]
-        for fn, regs, oregs, kw, name, tregs, err in g.steps:
-            try:
-                if bad:
-                    for r in tregs:
-                        v = R[r]
-                        if type(v) is Poison or type(v) is _Missing:
-                            raise KeyError(v.tid if type(v) is _Missing else name)
-                if fn is None:
-                    raise KeyError(name)
-                if err is not None:
-                    raise err
-                if kw:
-                    res = fn(*[R[r] for r in regs], **kw)
-                else:
-                    res = fn(*[R[r] for r in regs])
-                if len(oregs) == 1:
-                    R[oregs[0]] = res
-                else:
-                    store_results(R, oregs, res, name)
-            except Exception as e:
-                p = self._replay_poison(name, [R[r] for r in tregs], e, kw)
-                for o in oregs:
-                    R[o] = p
-                for r in self._written_regs(fn, regs, kw):  # in-place ops poison what they write
-                    R[r] = p
-                    if r < n_in:
-                        spoiled[ins[r]] = p
-                bad = True
-        for i, p in spoiled.items():
-            t.pop(i, None)
-            poison[i] = p
-        for reg, oid in zip(g.kept, outs):
-            v = R[reg]
-            if type(v) is Poison:
-                t.pop(oid, None)
-                poison[oid] = v
-            else:
-                t[oid] = v
-        for k in g.consumed:
-            i = ins[k]
-            if t.pop(i, None) is None:
-                poison.pop(i, None)
-
-    @staticmethod
-    def _written_regs(fn: Any, regs: tuple[int, ...], kw: Any) -> list[int]:
-        w = getattr(fn, "written", None)
-        if w is None:
-            return []
-        try:
-            return [regs[p] for p in w(kw or {}) if p < len(regs)]
-        except Exception:
-            return []
-
-    def _replay_poison(self, name: str, vals: list[Any], e: Exception, kw: Any = None) -> Poison:
-        """What ``_fail`` would have made of this op sent alone (same message, same upstream poison)."""
-        upstream = next((v for v in vals if type(v) is Poison), None)
-        if upstream is not None:
-            return upstream
-        msg = self._why(name, e, [v.tid for v in vals if type(v) is _Missing])
-        desc = _describe_layouts(kw) or _describe(["?" if type(v) is _Missing else v for v in vals])
-        p = Poison({"kind": "RemoteExecutionError", "op": name,
-                    "message": f"op {name}({desc}) failed on {self.backend.spec}: {msg}"})
-        self.probe.error(self.label, "RemoteExecutionError", type(e).__name__, name, p.error["message"], True)
-        return p
+        self._set_poison(outs, poison)
 
     def custom(self, msg: list[Any], out: list[list[Any]]) -> None:
         _, name, inputs, outs, scalars, specs = msg
@@ -478,7 +458,13 @@ class Interpreter:
                 raise UnknownOp(f"no custom op named {name!r} is registered on this peer "
                                 f"(registered: {sorted(self.custom_ops) or 'none'})")
             vals = [self.tensors[i] for i in inputs]
-            res = fn(self.backend.xp, *vals, **(scalars or {}))
+            need = custom_outputs(specs)  # the declared outputs, checked below: charged before the op runs
+            if need:
+                self.mem.charge(need, lambda: f"custom op {call_text(name, vals, None)}")
+            try:
+                res = fn(self.backend.xp, *vals, **(scalars or {}))
+            finally:
+                self.mem.release(need)
             res = (res,) if len(outs) == 1 and not isinstance(res, (tuple, list)) else tuple(res)
             if len(res) != len(outs):
                 raise ValueError(f"custom op {name!r} returned {len(res)} arrays, the client declared {len(outs)}")
@@ -486,8 +472,7 @@ class Interpreter:
                 if tuple(r.shape) != tuple(shape) or str(r.dtype).rsplit(".", 1)[-1] != dtype:
                     raise ValueError(f"custom op {name!r} returned {tuple(r.shape)} {r.dtype}, "
                                      f"the client declared {tuple(shape)} {dtype}")
-            for o, r in zip(outs, res):
-                self.tensors[o] = r
+            self._put_all(outs, res, name)
         except Exception as e:
             self._fail(name, inputs, 0, outs, e)
 
@@ -496,92 +481,118 @@ class Interpreter:
         """A whole upload, or one chunk of it (in order; the last one completes it). ``data`` is the
         chunk's bytes, or ``Placed`` when the network loop already read them into place."""
         _, tid, dtype, shape, offset, data, total = msg
-        if total > self.limits["max_tensor"]:
-            self._uploads.pop(tid, None)
-            return self._fail("upload", [], 0, [tid], LimitExceeded(
-                f"upload of {total} bytes exceeds this peer's max_tensor of {self.limits['max_tensor']} bytes"))
+        if type(tid) is not int:
+            raise ProtocolError(f"Upload of tensor id {safe_repr(tid)}: ids are ints")
         placed = type(data) is Placed
+        bad = upload_fault(self.backend, dtype, shape, offset, b"" if placed else data, total,
+                            self.limits["max_tensor"], data.n if placed else None)
+        if bad is not None:
+            self._cancel_upload(tid)
+            return self._fail("upload", [], 0, [tid], bad)
         n = data.n if placed else len(data)
+        prepaid = 0
         if offset == 0 and n == total and not placed:
             buf: Any = data
         else:
             entry = self._uploads.get(tid)
-            if entry is None and offset == 0 and not placed:
-                entry = self._new_upload(tid, dtype, shape, total)
-                if entry is None:
-                    return self._fail("upload", [], 0, [tid], LimitExceeded(
-                        f"more than {MAX_PARTIAL_UPLOADS} chunked uploads in progress in one session"))
-            if entry is None:
-                raise ProtocolError(f"chunk at offset {offset} of upload {tid}, which has no first chunk")
+            if offset == 0 and not placed:  # the first chunk (again?): a fresh buffer, charged first
+                self._cancel_upload(tid)
+                try:
+                    entry = self._new_upload(tid, dtype, shape, total)
+                except LimitExceeded as e:
+                    return self._fail("upload", [], 0, [tid], e)
+            if entry is None or (entry[1], entry[2], entry[3]) != (dtype, shape, total):
+                return  # a chunk of an upload that was refused (its id is poisoned) or never began
             if not placed:
                 memoryview(entry[0])[offset:offset + n] = data
             if offset + n < total:
                 return
             del self._uploads[tid]
-            buf = entry[0]
+            buf, prepaid = entry[0], total
         try:
             arr = np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
-            self.tensors[tid] = self.backend.from_host(arr)
+            self.put(tid, self.backend.from_host(arr), "upload", prepaid)
             self.poison.pop(tid, None)
         except Exception as e:
             self._fail("upload", [], 0, [tid], e)
 
     def _new_upload(self, tid: int, dtype: str, shape: list[int], total: int) -> Any:
-        """The buffer a chunked upload is assembled in, or None past ``MAX_PARTIAL_UPLOADS``."""
-        if len(self._uploads) >= MAX_PARTIAL_UPLOADS:
-            return None
-        entry = self._uploads[tid] = (np.empty(total, np.uint8), dtype, shape)
+        """The buffer a chunked upload is assembled in, its declared total charged before it exists.
+
+        LimitExceeded past ``max_uploads`` or over a memory budget. ``np.empty``: its pages are
+        committed as chunks arrive, not for the whole declared total up front."""
+        if len(self._uploads) >= self.max_uploads:
+            raise LimitExceeded(f"more than {self.max_uploads} chunked uploads in progress in one session "
+                                "(max_uploads)", hint="upload one array at a time")
+        self.mem.charge(total, lambda: f"upload of tensor {tid} ({tuple(shape)} {dtype})")
+        entry = self._uploads[tid] = (np.empty(total, np.uint8), dtype, shape, total)
         return entry
+
+    def _cancel_upload(self, tid: Any) -> None:
+        entry = self._uploads.pop(tid, None)
+        if entry is not None:
+            self.mem.release(entry[3])
 
     def upload_target(self, tid: Any, dtype: Any, shape: Any, offset: Any, n: int, total: Any) -> memoryview | None:
         """Where the network loop may read an upload chunk's ``n`` bytes straight into (the
         transport's data sink), or None to let it arrive in the frame and go through ``upload``,
         which then answers whatever is wrong. Runs on the network loop, not the worker."""
-        if type(tid) is not int or type(offset) is not int or type(total) is not int:
-            return None
-        if not 0 <= offset <= total - n or total > self.limits["max_tensor"]:
+        if type(tid) is not int or upload_fault(self.backend, dtype, shape, offset, b"", total,
+                                                 self.limits["max_tensor"], n) is not None:
             return None
         entry = self._uploads.get(tid)
         if entry is None:
             if offset != 0:
                 return None
             try:
-                if np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64)) != total:
-                    return None
-            except (TypeError, ValueError, OverflowError):
-                return None
-            entry = self._new_upload(tid, dtype, shape, total)
-            if entry is None:
-                return None
-        buf = entry[0]
-        if len(buf) != total:
+                entry = self._new_upload(tid, dtype, shape, total)
+            except LimitExceeded:
+                return None  # the chunk arrives in its frame; upload() refuses it with the reason
+        if (entry[1], entry[2], entry[3]) != (dtype, shape, total):
             return None
-        return memoryview(buf)[offset:offset + n]
+        return memoryview(entry[0])[offset:offset + n]
 
     def read(self, msg: list[Any], out: list[list[Any]]) -> None:
         _, req, tid = msg
         v = self._value(tid, req, out)
         if v is None:
             return
-        host = self.backend.to_host(v)
-        dt, shape = host.dtype.name, list(host.shape)
-        flat = memoryview(host.reshape(-1).view(np.uint8))
-        total, chunk = len(flat), self.limits["chunk"]
-        if self.data_frames and total > m.INLINE_DATA:  # data frames: views of the array, no copies
-            if out:
-                self.respond(out[:])  # keep order: earlier answers first
-                out.clear()
-            self.respond([[req, m.OK, [dt, shape, 0, None, total]]], flat)
-            return
-        if total <= chunk:
-            out.append([req, m.OK, [dt, shape, 0, flat, total]])
-            return
-        self.respond(out[:])  # keep order: earlier answers first
-        out.clear()
-        for off in range(0, total - chunk, chunk):
-            self.respond([[req, m.CHUNK, [off, flat[off:off + chunk], total]]])
-        last = ((total - 1) // chunk) * chunk
-        out.append([req, m.OK, [dt, shape, last, flat[last:], total]])
+        staging = host_copy_bytes(self.backend.kind, v)
+        if staging:  # the host copy is charged before it is made
+            try:
+                self.mem.charge(staging, lambda: f"reading tensor {tid} ({describe([v])}) through a host copy")
+            except LimitExceeded as e:
+                out.append([req, m.ERROR, to_wire(e)])
+                return
+        try:
+            host = self.backend.to_host(v)
+            dt, shape = host.dtype.name, list(host.shape)
+            flat = memoryview(host.reshape(-1).view(np.uint8))
+            total, chunk = len(flat), self.limits["chunk"]
+            if self.data_frames and total > m.INLINE_DATA:  # data frames: views of the array, no copies
+                if out:
+                    self.respond(out[:])  # keep order: earlier answers first
+                    out.clear()
+                    self._out_bytes = 0
+                self.respond([[req, m.OK, [dt, shape, 0, None, total]]], flat, staging)  # a copy stays counted
+                return
+            if total <= chunk:
+                out.append([req, m.OK, [dt, shape, 0, flat, total]])
+                self._out_bytes += total
+                if self._out_bytes > chunk:  # many reads in one batch: answer in frames of about a chunk
+                    self.respond(out[:])
+                    out.clear()
+                    self._out_bytes = 0
+                return
+            self.respond(out[:])  # keep order: earlier answers first
+            out.clear()
+            self._out_bytes = 0
+            for off in range(0, total - chunk, chunk):
+                self.respond([[req, m.CHUNK, [off, flat[off:off + chunk], total]]])
+            last = ((total - 1) // chunk) * chunk
+            self.respond([[req, m.OK, [dt, shape, last, flat[last:], total]]])
+        finally:
+            self.mem.release(staging)
 
     def shape(self, msg: list[Any], out: list[list[Any]]) -> None:
         _, req, tid = msg
@@ -602,10 +613,11 @@ class Interpreter:
         out.append([msg[1], m.OK, None])
 
     def drop(self, msg: list[Any], out: list[list[Any]]) -> None:
-        t, p = self.tensors, self.poison
+        forget, uploads = self.forget, self._uploads
         for i in msg[1]:
-            if t.pop(i, None) is None:
-                p.pop(i, None)
+            forget(i)
+            if uploads and i in uploads:
+                self._cancel_upload(i)
 
     def close(self, msg: list[Any], out: list[list[Any]]) -> None:
         self.clear()
@@ -614,8 +626,11 @@ class Interpreter:
         return len(self.tensors) + len(self.poison)
 
     def clear(self) -> None:
-        self.tensors.clear()
+        """Free everything this session holds, returning each charge (the session may go on)."""
+        for tid in list(self.tensors):
+            self.forget(tid)
         self.poison.clear()
-        self._uploads.clear()
+        for tid in list(self._uploads):
+            self._cancel_upload(tid)
         self.graphs.clear()
         self._stalled = None

@@ -14,9 +14,12 @@ from .._version import __version__
 from ..errors import AuthorizationError, EmberError
 from ..protocol import messages as m
 from ..transport.base import FrameConnection, Listener
+from .auth import Authorizer, allowlist_authorizer, all_of, token_authorizer
 from .backends import Backend, make_backend
 from .figures import Figures
-from .interpreter import build_table
+from .interpreter import MAX_PARTIAL_UPLOADS, MAX_TENSORS, build_table
+from .limits import Admission, ClientLimits
+from .memory import DeviceMemory, default_limit, parse_size
 from .session import Session, drive_session
 from .session_log import SessionLog
 from .telemetry import Probe
@@ -24,21 +27,18 @@ from .transfer import TransferHub
 
 log = logging.getLogger("ember.server")
 
-#: ``authorizer(peer_id, device_index, credential)``: return True/None to accept,
-#: False or a reason string to refuse (or raise AuthorizationError(reason)).
-Authorizer = Callable[[str | None, int, bytes], "bool | str | None"]
 CustomOp = Callable[..., Any]
 
 
-def token_authorizer(*tokens: bytes) -> Authorizer:
-    """Accept sessions whose credential equals one of ``tokens`` (constant-time compare)."""
-
-    def check(peer_id: str | None, device: int, credential: bytes) -> bool | str:
-        if any(hmac.compare_digest(credential, t) for t in tokens):
-            return True
-        return "missing credential" if not credential else "wrong credential"
-
-    return check
+def _on_host(b: Backend) -> bool:
+    """Does this device keep its arrays in host RAM (so it shares the host's budget)?"""
+    if b.kind == "numpy":
+        return True
+    if b.kind == "torch":
+        return getattr(b.device, "type", "") == "cpu"
+    if b.kind == "jax":
+        return getattr(b.device, "platform", "") == "cpu"
+    return False
 
 
 class Server:
@@ -60,16 +60,37 @@ class Server:
                  graph_cache: int = m.DEFAULT_GRAPH_CACHE,
                  inline_small: bool = True,
                  admin_tokens: Iterable[bytes | str] = (),
-                 admin_peers: Iterable[str] = ()) -> None:
+                 admin_peers: Iterable[str] = (),
+                 memory_limit: int | str | None = None,
+                 session_memory: int | str | None = None,
+                 max_sessions_per_client: int = 32,
+                 max_uploads: int = MAX_PARTIAL_UPLOADS,
+                 max_tensors: int = MAX_TENSORS,
+                 max_messages: int = 16384,
+                 handshake_timeout: float = 10.0,
+                 **limits: Any) -> None:
+        """``memory_limit``: bytes (or ``"16GiB"``) each device budget holds, default a safe fraction of
+        RAM / device memory (host devices share one budget); ``session_memory``: per session, default
+        the device's budget. The per-client limits are described in :mod:`ember.server.limits`
+        (``limits`` takes the rest of :class:`~ember.server.limits.ClientLimits` by name)."""
         self.backends: list[Backend] = [d if isinstance(d, Backend) else make_backend(d) for d in devices]
         if not self.backends:
             raise EmberError("a server needs at least one device", hint="e.g. Server(['cpu'])")
         self.tables = [build_table(b) for b in self.backends]
         self.authorizer = authorizer
         self.custom_ops: dict[str, CustomOp] = dict(custom_ops or {})
-        self.max_sessions = max_sessions
+        try:
+            self.client_limits = ClientLimits(
+                max_sessions=max_sessions, max_sessions_per_client=max_sessions_per_client, max_uploads=max_uploads,
+                max_tensors=max_tensors, max_messages=max_messages, handshake_timeout=handshake_timeout, **limits)
+        except TypeError as e:
+            raise EmberError(f"unknown Server option: {e}") from None
+        self.admission = Admission(self.client_limits)
+        self.budgets = self._make_budgets(None if memory_limit is None else parse_size(memory_limit))
+        self.session_memory = None if session_memory is None else parse_size(session_memory)
         self.limits = {"max_frame": max_frame, "chunk": min(chunk, max_frame - 1024), "max_tensor": max_tensor,
-                       "graph_cache": max(0, int(graph_cache))}  # graphs per session (LRU); 0: no graph caching
+                       "graph_cache": max(0, int(graph_cache)),  # graphs per session (LRU); 0: no graph caching
+                       **self.client_limits.wire()}
         self.inline_small = inline_small  # the network loop runs tiny, cheap batches itself (server/session.py)
         self.peer_id = peer_id
         self.version = __version__
@@ -110,14 +131,28 @@ class Server:
     def add_listener(self, listener: Listener) -> None:
         self.listeners.append(listener)
 
-    def listen_websocket(self, host: str = "127.0.0.1", port: int = 0, *, ssl: Any = None) -> None:
+    def listen_websocket(self, host: str = "127.0.0.1", port: int = 0, *, ssl: Any = None,
+                         insecure: bool = False) -> None:
+        """Serve WebSocket on ``host:port``. A non-loopback address needs an authorizer (WebSocket
+        authenticates nobody) unless ``insecure``."""
         from ..transport.websocket import WebSocketListener
+        self._check_exposure("WebSocket", host, port, insecure)
         self.add_listener(WebSocketListener(host, port, max_frame=self.limits["max_frame"], ssl=ssl))
 
-    def listen_tcp(self, host: str = "127.0.0.1", port: int = 0, *, ssl: Any = None) -> None:
+    def _check_exposure(self, kind: str, host: str, port: int, insecure: bool) -> None:
+        from ..transport.websocket import is_loopback
+        if not is_loopback(host) and self.authorizer is None and not insecure:
+            raise EmberError(f"refusing to serve {kind} on {host}:{port} without an authorizer: anyone who can "
+                             "reach that address could compute on this peer",
+                             hint="pass authorizer=token_authorizer(b'...') (ember serve --token-file PATH), "
+                                  "or insecure=True (--insecure)")
+
+    def listen_tcp(self, host: str = "127.0.0.1", port: int = 0, *, ssl: Any = None, insecure: bool = False) -> None:
         """Serve on ``tcp://host:port`` (``tcps://`` with an SSL context): length-prefixed frames,
-        the fastest transport for bulk data."""
+        the fastest transport for bulk data. Like WebSocket, a non-loopback address needs an
+        authorizer unless ``insecure``."""
         from ..transport.tcp import TcpListener
+        self._check_exposure("TCP", host, port, insecure)
         self.add_listener(TcpListener(host, port, max_frame=self.limits["max_frame"] + 65536, ssl=ssl))
 
     def listen_iroh(self, *, key: bytes | None = None, relay: Any = "default", offline: bool = False,
@@ -170,9 +205,49 @@ class Server:
             return f"peer {(peer_id or 'unauthenticated (WebSocket)')[:16]} is not an admin peer of this peer"
         return "wrong admin token" if credential else "missing admin token"
 
+    @property
+    def max_sessions(self) -> int:
+        return self.client_limits.max_sessions
+
+    def _make_budgets(self, limit: int | None) -> list[DeviceMemory]:
+        """One budget per device index; devices in host RAM share the host's."""
+        host: DeviceMemory | None = None
+        out = []
+        for b in self.backends:
+            if _on_host(b):
+                if host is None:
+                    host = DeviceMemory(limit if limit is not None else default_limit(b.kind, None, True),
+                                        "host")
+                out.append(host)
+            else:
+                out.append(DeviceMemory(limit if limit is not None else default_limit(b.kind, b.memory, False),
+                                        b.spec))
+        return out
+
+    def welcome_limits(self, device: int) -> dict[str, Any]:
+        """The limits a session on ``device`` is told in Welcome (its memory budget included)."""
+        dev = self.budgets[device].limit
+        mine = self.session_memory if dev is None else min(dev, self.session_memory or dev)
+        return {**self.limits, "session_memory": mine, "device_memory": dev}
+
     def held_tensors(self) -> int:
         """Tensors (values and poisoned ids) held by all sessions, including closing ones."""
         return sum(s.interp.held() for s in list(self.live))
+
+    def memory_stats(self) -> dict[str, Any]:
+        """Budgets and what they hold: ``{"devices": [...], "sessions": [...]}`` (plain figures, bytes)."""
+        devices = [{"device": i, "spec": b.spec, **self.budgets[i].stats()} for i, b in enumerate(self.backends)]
+        sessions = [{"device": s.device_index, "client": s.identity, "tensors": s.interp.held(),
+                     "inflight": s.inflight(), "staged": s.staged, **s.mem.stats()} for s in list(self.live)]
+        return {"devices": devices, "sessions": sessions}
+
+    def memory_held(self) -> int:
+        """Bytes charged to every budget of this peer together (0 once every session has ended)."""
+        return sum(b.held() for b in {id(b): b for b in self.budgets}.values())
+
+    def client_stats(self) -> dict[str, Any]:
+        """Sessions per client identity and refusals per limit."""
+        return {"sessions": len(self.sessions), **self.admission.stats()}
 
     # ---- running -----------------------------------------------------------------
     async def handle(self, conn: FrameConnection) -> None:
@@ -279,6 +354,9 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+__all__ = ["Server", "Authorizer", "token_authorizer", "allowlist_authorizer", "all_of", "parse_devices"]
 
 
 def parse_devices(specs: Iterable[str]) -> list[str]:

@@ -13,6 +13,14 @@ hops (about half of a small op+read round trip) and costs the loop a bounded
 few microseconds, about what decoding the frame costs. Anything that could
 take long (a matmul, a large array, a GPU device whose reads wait for the
 device) still goes to the worker, so the loop stays responsive.
+
+Back-pressure, both ways, so a client cannot make the peer buffer without
+bound: the pump stops reading a session's stream while more than
+``max_inflight`` bytes of its decoded batches wait for the worker (it sends a
+keepalive ``[0, OK, None]`` every second meanwhile, so the client knows the peer
+is alive), and the worker waits while more than ``stage_window`` bytes of its
+answers wait for the network. Both are counted in the session's memory
+(:mod:`ember.server.memory`).
 """
 
 from __future__ import annotations
@@ -26,18 +34,23 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from ..errors import AuthorizationError, EmberError, ProtocolError, to_wire
+from ..errors import AuthorizationError, EmberError, LimitExceeded, ProtocolError, to_wire
 from ..protocol import codec
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
 from .interpreter import Interpreter, Placed
 from .backends import Backend
+from .limits import Admission, ClientLimits, client_identity
+from .memory import DeviceMemory, give_back_freed
 from .telemetry import Probe, transport_of
 from .transfer import TransferHub, TransferOps, serve_transfer
 
 log = logging.getLogger("ember.server")
 
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = ClientLimits.handshake_timeout
+KEEPALIVE = codec.packb([[0, m.OK, None]])
+#: Decoded batches cost about this many times their frame (uploads: their frame).
+DECODED_FACTOR = 8
 
 
 class SessionHost(Protocol):
@@ -51,6 +64,10 @@ class SessionHost(Protocol):
     tables: list[dict[str, Callable[..., Any]]]
     custom_ops: dict[str, Callable[..., Any]]
     limits: dict[str, int]
+    client_limits: ClientLimits
+    admission: Admission
+    budgets: list[DeviceMemory]          # one per device index (host devices share theirs)
+    session_memory: int | None
     transfers: TransferHub
     inline_small: bool
     max_sessions: int
@@ -69,24 +86,33 @@ class SessionHost(Protocol):
 
     def device_info(self) -> list[dict[str, Any]]: ...
 
+    def welcome_limits(self, device: int) -> dict[str, Any]: ...
+
 
 class Session:
     """A client's session on one device: its interpreter, worker thread and outbox."""
 
     def __init__(self, server: SessionHost, conn: FrameConnection, hello: dict[str, Any],
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, identity: str = "") -> None:
         self.server = server
         self.conn = conn
         self.session_id: bytes = hello["session_id"]
         self.device_index: int = hello["device"]
         self.peer_id = conn.peer_id
+        self.identity = identity
         self.loop = loop
-        self.outbox: asyncio.Queue[Any] = asyncio.Queue()  # frames, data-frame streams, None at the end
-        self.inbox: queue.SimpleQueue[tuple[list[list[Any]], float, bool] | None] = queue.SimpleQueue()
+        self.limits = server.client_limits
+        self.outbox: asyncio.Queue[Any] = asyncio.Queue()  # frames, (data-frame stream, bytes), None
+        self.inbox: queue.SimpleQueue[tuple[list[list[Any]], float, int] | None] = queue.SimpleQueue()
         self.alive = True
         self.sending = False  # a frame is being sent (by the sender task, or inline by the pump)
         self.queued = 0  # batches handed to the worker (written by the loop)
         self.done = 0    # batches the worker finished (written by the worker)
+        self.queued_bytes = 0  # their estimated decoded size (written by the loop)
+        self.done_bytes = 0    # (written by the worker)
+        self.staged = 0        # bytes of answers waiting for the network (under _cond)
+        self._cond = threading.Condition()
+        self.sender: asyncio.Future[None] | None = None
         self.inline = bool(getattr(server, "inline_small", True))
         self._loop_thread = threading.get_ident()
         # telemetry: who, and plain counters (one addition per frame); see server/telemetry.py
@@ -94,9 +120,14 @@ class Session:
         self.opened = time.monotonic()
         self.bytes_in = self.bytes_out = self.batches = 0
         backend = server.backends[self.device_index]
+        self.mem = server.budgets[self.device_index].session(server.session_memory, self.session_id.hex()[:8])
         self.interp = Interpreter(backend, server.tables[self.device_index], server.custom_ops,
-                                  self.respond, server.limits)
-        self.interp.enable_transfers(TransferOps(self.interp, server.transfers, loop, server.limits["max_frame"]))
+                                  self.respond, server.welcome_limits(self.device_index), memory=self.mem)
+        self.interp.on_stall = self._on_stall
+        self.interp.on_fatal = self._on_fatal
+        self.transfer_ops = TransferOps(self.interp, server.transfers, loop, server.limits["max_frame"],
+                                        max_wait=self.limits.max_wait)
+        self.interp.enable_transfers(self.transfer_ops)
         self.features = codec.agreed_features(hello.get("features"))
         self.data = m.DATA_FEATURE in self.features
         self.interp.data_frames = self.data
@@ -113,29 +144,63 @@ class Session:
         server.live.add(self)
         self.worker.start()
 
-    def respond(self, responses: list[list[Any]], data: memoryview | None = None) -> None:
+    def respond(self, responses: list[list[Any]], data: memoryview | None = None, held: int = 0) -> None:
         """Called on the worker (or the loop, inline): encode once, hand the frame to the network loop.
 
         With ``data``, ``responses`` is one read answer whose bytes go out as data frames, chunked
-        by the sender on the loop (views of the array: nothing is copied here)."""
+        by the sender on the loop (views of the array: nothing is copied here; ``held`` is what the
+        views keep alive beyond the session's tensors, a host copy). On the worker, waits while
+        more than ``stage_window`` bytes of answers wait to be sent."""
         if data is None:
             frame: Any = codec.packb(responses)
+            n = len(frame)
         else:
             req, _, (dt, shape, _, _, _) = responses[0]
-            frame = codec.read_frames(req, dt, shape, data, self.server.limits["chunk"])
+            n = held
+            frame = (codec.read_frames(req, dt, shape, data, self.server.limits["chunk"]), n)
         if threading.get_ident() == self._loop_thread:
-            self.outbox.put_nowait(frame)
+            self.post(frame, n)
             return
+        self.mem.shared_charge(n)
+        with self._cond:
+            self.staged += n
         try:
             self.loop.call_soon_threadsafe(self.outbox.put_nowait, frame)
         except RuntimeError:  # loop closed: the server is shutting down
             self.alive = False
+            return
+        window = self.limits.stage_window
+        if self.staged > window:
+            with self._cond:
+                while self.staged > window and self.alive:
+                    self._cond.wait(1.0)
+
+    def post(self, frame: Any, n: int | None = None) -> None:
+        """On the loop: queue a frame (or a ``(data-frame stream, bytes)`` pair) for the sender,
+        counted until it has left."""
+        n = len(frame) if n is None else n
+        self.mem.shared_charge(n)
+        with self._cond:
+            self.staged += n
+        self.outbox.put_nowait(frame)
+
+    def sent(self, n: int) -> None:
+        """On the loop: a frame of ``n`` bytes has left."""
+        self.mem.shared_release(n)
+        with self._cond:
+            self.staged -= n
+            if self.staged <= self.limits.stage_window:
+                self._cond.notify_all()
 
     def _work(self) -> None:
         with np.errstate(all="ignore"):  # IEEE semantics: nan/inf results, no warnings
             self._work_loop()
         self.interp.clear()
+        self.server.transfers.revoke(self.transfer_ops)
+        self.mem.close()
         self.server.live.discard(self)
+        if self.mem.peak >= 1 << 20 or not self.server.live:
+            give_back_freed(force=not self.server.live)
 
     def stats(self, msg: list[Any], out: list[list[Any]]) -> None:
         """STATS (in a batch, in order; alone, the pump answers it at once): figures, see server/figures.py."""
@@ -144,19 +209,25 @@ class Session:
             out.append(resp)
 
     def _work_loop(self) -> None:
-        inbox, interp = self.inbox, self.interp
+        inbox, interp, mem = self.inbox, self.interp, self.mem
         while True:
             item = inbox.get()
             if item is None or not self.alive:
                 break
+            batch, received, cost = item
             try:
-                interp.run_batch(*item)
+                interp.run_batch(batch, received, False)
             except Exception:  # never let one batch kill the worker
                 log.exception("session %s: batch failed", self.session_id.hex()[:8])
             finally:
+                if interp.fatal is not None:
+                    self._on_fatal(*interp.fatal)
+                    interp.fatal = None
+                mem.shared_release(cost)
+                self.done_bytes += cost
                 self.done += 1
 
-    def submit(self, batch: list[list[Any]]) -> bool:
+    def submit(self, batch: list[list[Any]], frame_bytes: int = 0) -> bool:
         """On the loop: run a tiny, cheap batch inline when the worker is idle (True), else queue it."""
         received = time.perf_counter() if self.interp.probe.active else 0.0
         if self.inline and self.queued == self.done and self.interp.cheap(batch):
@@ -165,14 +236,79 @@ class Session:
                     self.interp.run_batch(batch, received, True)
             except Exception:
                 log.exception("session %s: batch failed", self.session_id.hex()[:8])
+            if self.interp.fatal is not None:
+                self._on_fatal(*self.interp.fatal)
+                self.interp.fatal = None
             return True
+        cost = frame_bytes if batch[0][0] == m.UPLOAD else frame_bytes * DECODED_FACTOR
+        self.mem.shared_charge(cost)
+        self.queued_bytes += cost
         self.queued += 1
-        self.inbox.put((batch, received, False))
+        self.inbox.put((batch, received, cost))
         return False
+
+    def inflight(self) -> int:
+        """Estimated bytes of decoded batches waiting for the worker (read on the loop)."""
+        return self.queued_bytes - self.done_bytes
 
     def stop(self) -> None:
         self.alive = False
         self.inbox.put(None)
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---- a REPLAY waiting for a GRAPH the client never sends --------------------------------
+    def _on_stall(self) -> None:
+        """On the worker (or the loop): the interpreter began holding messages for a graph."""
+        token = self.interp._stalled
+        try:
+            self.loop.call_soon_threadsafe(self.loop.call_later, self.limits.stall_timeout, self._check_stall, token)
+        except RuntimeError:
+            pass
+
+    def _on_fatal(self, err: ProtocolError, answered: bool = False) -> None:
+        """After a batch (worker or loop): a session-level error in it (a malformed GRAPH, a stall
+        overflow) ends the session, once that batch's answers are queued."""
+        def end() -> None:
+            asyncio.ensure_future(end_session(self, err, notify=not answered))
+        if threading.get_ident() == self._loop_thread:
+            end()
+            return
+        try:
+            self.loop.call_soon_threadsafe(end)
+        except RuntimeError:
+            pass
+
+    def _check_stall(self, token: Any) -> None:
+        if self.alive and token is not None and self.interp._stalled is token:
+            err = ProtocolError(f"a Replay waited {self.limits.stall_timeout:g} s for graph "
+                                f"{self.interp._stall_gid} (NEED_GRAPH) that the client never sent")
+            log.info("session %s: %s", self.session_id.hex()[:8], err.message)
+            asyncio.ensure_future(end_session(self, err))
+
+    # ---- data frames (on the loop) ---------------------------------------------------
+    def sink(self, head: memoryview, n: int) -> memoryview | None:
+        """The transport's data sink: where an upload chunk's payload should be read into."""
+        try:
+            h = codec.decode_data_head(head)
+        except ProtocolError:
+            return None
+        if len(h) != 7 or h[0] != m.UPLOAD or h[5] is not None:
+            return None
+        dest = self.interp.upload_target(h[1], h[2], h[3], h[4], n, h[6])
+        if dest is not None:
+            self._placed[(h[1], h[4])] = n
+        return dest
+
+    def data_message(self, frame: Any) -> list[Any]:
+        """The UPLOAD message a data frame carries (its bytes, or ``Placed`` when the sink put them)."""
+        head, payload = codec.decode_data(frame)
+        if len(head) != 7 or head[0] != m.UPLOAD or head[5] is not None:
+            raise ProtocolError(f"a data frame from a client must carry one Upload, got {str(head)[:80]}")
+        placed = self._placed.pop((head[1], head[4]), None) if not len(payload) else None
+        head[5] = Placed(placed) if placed is not None else payload
+        return head
+
 
     # ---- data frames (on the loop) ---------------------------------------------------
     def sink(self, head: memoryview, n: int) -> memoryview | None:
@@ -212,6 +348,10 @@ async def _send_marked(session: Session, frame: Any) -> None:
     """Send one frame (or a read's data frames) with ``session.sending`` raised meanwhile (so
     frames keep their order)."""
     session.sending = True
+    if isinstance(frame, bytes):
+        n = len(frame)
+    else:
+        frame, n = frame
     try:
         if isinstance(frame, bytes):
             session.bytes_out += len(frame)
@@ -222,6 +362,22 @@ async def _send_marked(session: Session, frame: Any) -> None:
                 await session.conn.send(parts)
     finally:
         session.sending = False
+        session.sent(n)
+
+
+async def end_session(session: Session, err: EmberError, notify: bool = True) -> None:
+    """Tell the client why (a session-level error; ``notify=False``: it was told), then close its stream."""
+    session.alive = False
+    session.end = ["protocol_error", err.message]
+    if notify:
+        session.post(codec.packb([[0, m.ERROR, to_wire(err)]]))
+    session.outbox.put_nowait(None)
+    if session.sender is not None:
+        try:
+            await asyncio.wait_for(asyncio.shield(session.sender), 5.0)
+        except Exception:  # noqa: BLE001
+            pass
+    await _close_quietly(session.conn)
 
 
 async def _send_now(session: Session) -> None:
@@ -236,7 +392,8 @@ async def _send_now(session: Session) -> None:
         await _send_marked(session, frame)
 
 
-async def _handshake(server: SessionHost, conn: FrameConnection, first: bytes) -> dict[str, Any] | None:
+async def _handshake(server: SessionHost, conn: FrameConnection, first: bytes,
+                     identity: str) -> dict[str, Any] | None:
     """Judge Hello; answer Reject and return None when refused.
 
     A Hello marked ``admin`` (``ember top`` / ``ember status``) is judged by the server's admin
@@ -260,10 +417,14 @@ async def _handshake(server: SessionHost, conn: FrameConnection, first: bytes) -
     else:
         reason = server.authorize(conn.peer_id, hello["device"], hello["credential"])
     if reason is not None:
+        server.admission.refusals["unauthorized"] += 1
         return await _refuse(server, conn, m.REJECT_UNAUTHORIZED, reason)
-    if len(server.sessions) >= server.max_sessions and not hello.get("admin"):  # an operator may look at a full peer
-        return await _refuse(server, conn, m.REJECT_FULL,
-                             f"this peer is full ({server.max_sessions} sessions); try again later")
+    if hello["session_id"] in server.sessions:
+        return await _refuse(server, conn, m.REJECT_PROTOCOL,
+                             "this session id is already in use on this peer (ids must be random)")
+    refusal = None if hello.get("admin") else server.admission.refuse(identity, len(server.sessions))
+    if refusal is not None:  # (an operator may look at a full peer)
+        return await _refuse(server, conn, *refusal)
     return hello
 
 
@@ -277,8 +438,10 @@ async def _refuse(server: SessionHost, conn: FrameConnection, code: str, reason:
 
 async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
     """Serve one stream: a session until it closes, breaks or sends garbage; or one download."""
+    limits = server.client_limits
+    identity = client_identity(conn.peer_id, conn.remote)
     try:
-        first = await asyncio.wait_for(conn.recv(), HANDSHAKE_TIMEOUT)
+        first = await asyncio.wait_for(conn.recv(), limits.handshake_timeout)
         if first is None:
             return
         request = _transfer_request(first)
@@ -286,9 +449,10 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
             await serve_transfer(server.transfers, conn, request, server.limits["chunk"], server.telemetry)
             await _close_quietly(conn)
             return
-        hello = await _handshake(server, conn, first)
+        hello = await _handshake(server, conn, first, identity)
     except asyncio.TimeoutError:
-        log.info("%s sent nothing within %.0f s", conn.remote, HANDSHAKE_TIMEOUT)
+        log.info("%s sent nothing within %g s", conn.remote, limits.handshake_timeout)
+        server.admission.refusals["handshake_timeout"] += 1
         server.telemetry.session_refused(conn.peer_id, conn.remote, "timeout", "no Hello within the handshake timeout")
         hello = None
     except (ConnectionError, EmberError, OSError) as e:
@@ -298,60 +462,26 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
         await _close_quietly(conn)
         return
     loop = asyncio.get_running_loop()
-    session = Session(server, conn, hello, loop)
+    session = Session(server, conn, hello, loop, identity)
     server.sessions[session.session_id] = session
-    sender = asyncio.ensure_future(_send_loop(session))
+    server.admission.opened(identity)
+    sender = session.sender = asyncio.ensure_future(_send_loop(session))
     server.telemetry.session_opened(session)
-    reason, why = "disconnected", "the client closed the connection"
+    session.end = ["disconnected", "the client closed the connection"]
     try:
         await conn.send(codec.encode_welcome(
             peer_id=server.peer_id, devices=server.device_info(), device=session.device_index,
-            limits=server.limits, server_version=server.version, instance=server.instance,
-            transfer_id=server.transfer_peer_id, features=session.features))
-        max_frame = server.limits["max_frame"] + 4096
-        while not sender.done():
-            frame = await conn.recv()
-            if frame is None:
-                break
-            session.bytes_in += len(frame)
-            session.batches += 1
-            try:
-                if codec.is_data(frame) and session.data:
-                    batch = [session.data_message(frame)]
-                else:
-                    batch = codec.decode_batch(frame, max_frame)
-            except ProtocolError as e:  # garbage mid-session: say why, end this session only
-                log.info("session %s: %s", session.session_id.hex()[:8], e.message)
-                session.outbox.put_nowait(codec.packb([[0, m.ERROR, to_wire(e)]]))
-                reason, why = "protocol_error", e.message
-                server.telemetry.error(session.label, type(e).__name__, type(e).__name__, None, e.message, False)
-                break
-            if len(batch) == 1 and batch[0][0] == m.PING:
-                session.outbox.put_nowait(codec.packb([[batch[0][1], m.OK, None]]))
-                continue
-            if len(batch) == 1 and batch[0][0] == m.STATS:  # answered at once, even while the worker is busy
-                resp = server.figures.answer(session, batch[0])
-                if resp is not None:
-                    session.outbox.put_nowait(codec.packb([resp]))
-                continue
-            if batch[0][0] == m.EXPOSE:  # sent alone: downloads may wait for the worker to reach it
-                for msg in batch:
-                    if msg[0] == m.EXPOSE and len(msg) == 6 and isinstance(msg[2], bytes) \
-                            and isinstance(msg[5], (int, float)):
-                        server.transfers.announce(msg[2], float(msg[5]))
-            if session.submit(batch) and not session.sending:
-                await _send_now(session)
-            if batch[-1][0] == m.CLOSE:
-                reason, why = "client_closed", "closed by the client"
-                break
-        else:
-            reason, why = "lost", "the connection broke while sending"
+            limits=server.welcome_limits(session.device_index), server_version=server.version,
+            instance=server.instance, transfer_id=server.transfer_peer_id, features=session.features))
+        await _pump(server, session)
     except (ConnectionError, OSError, asyncio.IncompleteReadError) as e:
         log.info("session %s lost: %s", session.session_id.hex()[:8], e)
-        reason, why = "lost", f"connection lost: {e}"
+        session.end = ["lost", f"connection lost: {e}"]
     finally:
+        reason, why = session.end
         session.stop()
         server.sessions.pop(session.session_id, None)
+        server.admission.closed(identity)
         session.outbox.put_nowait(None)
         try:
             await asyncio.wait_for(sender, 5.0)
@@ -361,6 +491,70 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
         if server.telemetry.stopping and reason != "client_closed":
             reason, why = "server_stopping", "the peer shut down"
         server.telemetry.session_closed(session, reason, why)
+
+
+async def _pump(server: SessionHost, session: Session) -> None:
+    """Frames in, batches to the worker, until the stream ends, breaks or sends garbage
+    (``session.end`` says which, for the session log)."""
+    conn, limits, sender = session.conn, session.limits, session.sender
+    assert sender is not None
+    max_frame = server.limits["max_frame"] + 4096
+    while not sender.done() and session.alive:
+        if session.inflight() > limits.max_inflight:
+            await _wait_for_worker(session)
+            continue
+        frame = await conn.recv()
+        if frame is None or not session.alive:
+            return
+        session.bytes_in += len(frame)
+        session.batches += 1
+        try:
+            if codec.is_data(frame) and session.data:
+                batch = [session.data_message(frame)]
+            else:
+                batch = codec.decode_batch(frame, max_frame, limits.max_messages)
+        except ProtocolError as e:  # garbage mid-session: say why, end this session only
+            log.info("session %s: %s", session.session_id.hex()[:8], e.message)
+            if isinstance(e, LimitExceeded):
+                server.admission.refusals["max_messages"] += 1
+            session.post(codec.packb([[0, m.ERROR, to_wire(e)]]))
+            session.end = ["protocol_error", e.message]
+            server.telemetry.error(session.label, type(e).__name__, type(e).__name__, None, e.message, False)
+            return
+        if not batch:
+            continue
+        first = batch[0]
+        if len(batch) == 1 and first[0] == m.PING:
+            session.post(codec.packb([[first[1] if len(first) > 1 else 0, m.OK, None]]))
+            continue
+        if len(batch) == 1 and first[0] == m.STATS:  # answered at once, even while the worker is busy
+            resp = server.figures.answer(session, first)
+            if resp is not None:
+                session.post(codec.packb([resp]))
+            continue
+        if first[0] == m.EXPOSE:  # sent alone: downloads may wait for the worker to reach it
+            for msg in batch:
+                if msg[0] == m.EXPOSE and len(msg) == 6:
+                    server.transfers.announce(msg[2], msg[5])
+        if session.submit(batch, len(frame)) and not session.sending:
+            await _send_now(session)
+        if batch[-1][0] == m.CLOSE:
+            session.end = ["client_closed", "closed by the client"]
+            return
+    if sender.done():
+        session.end = ["lost", "the connection broke while sending"]
+
+
+async def _wait_for_worker(session: Session) -> None:
+    """Too much waits for the worker: read nothing more until it catches up; keep the client informed."""
+    last = time.monotonic()
+    delay = 0.001
+    while session.alive and session.inflight() > session.limits.max_inflight:
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)
+        if time.monotonic() - last >= 1.0:
+            session.post(KEEPALIVE)
+            last = time.monotonic()
 
 
 def _transfer_request(first: bytes) -> dict[str, Any] | None:

@@ -16,24 +16,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import ProtocolError, TransferError
+from ..errors import EmberError, LimitExceeded, ProtocolError, TransferError
 from ..protocol import codec
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
 from .backends import Backend
+from .replay import Poison
 from .telemetry import OFF
 
 log = logging.getLogger("ember.server.transfer")
 
 #: How long a download waits for a capability that the source has not announced (network reordering).
 UNANNOUNCED_WAIT = 5.0
+#: Longest TTL an exposure (or an unclaimed same-peer move) may ask for.
+MAX_TTL = 3600.0
+#: Exposures plus pending moves one session may have at once.
+MAX_PER_SESSION = 256
+#: Most downloads one capability may grant.
+MAX_DOWNLOADS = 1 << 16
 
 
 @dataclass
@@ -44,84 +52,160 @@ class Exposed:
     downloads: int
     expires: float
     error: str | None = None
+    owner: Any = None              # the exposing session (its entries are revoked when it ends)
+    release: Callable[[], None] | None = None  # gives the session's memory back when the entry goes
+
+
+def release_entry(e: Exposed) -> None:
+    """Give an entry's memory back to its session (once)."""
+    if e.release is not None:
+        release, e.release = e.release, None
+        try:
+            release()
+        except Exception:  # noqa: BLE001 - accounting must never break a transfer
+            log.exception("releasing a transfer entry failed")
 
 
 class TransferHub:
-    """A server's exposed tensors and pending same-peer moves; bounded, thread-safe."""
+    """A server's exposed tensors and pending same-peer moves; bounded, thread-safe.
 
-    def __init__(self, max_entries: int = 4096) -> None:
+    An entry keeps its tensor's buffer charged to the exposing session until it is used up,
+    expires, or the session ends (:meth:`revoke`), whichever comes first.
+    """
+
+    def __init__(self, max_entries: int = 4096, per_session: int = MAX_PER_SESSION) -> None:
         self.max_entries = max_entries
+        self.per_session = per_session
         self._cond = threading.Condition()
         self._exposed: dict[bytes, Exposed] = {}
         self._announced: dict[bytes, float] = {}
         self._local: dict[bytes, Exposed] = {}
+        self._owned: dict[Any, int] = {}
+        self._refused: dict[bytes, tuple[float, str]] = {}  # capability -> (until, why EXPOSE was refused)
+
+    # ---- bookkeeping (under the lock) --------------------------------------------------
+    def _add(self, table: dict[bytes, Exposed], key: bytes, entry: Exposed, what: str) -> None:
+        self._purge()
+        n = self._owned.get(entry.owner, 0)
+        if entry.owner is not None and n >= self.per_session:
+            raise TransferError(f"this session already has {n} tensors exposed or moving; "
+                                "they are freed when used up, expired or when the session ends")
+        if len(self._exposed) + len(self._local) >= self.max_entries:
+            raise TransferError(f"this peer already holds {self.max_entries} {what}; "
+                                "capabilities are freed when used up or expired")
+        old = table.pop(key, None)
+        if old is not None:
+            self._drop(old)
+        table[key] = entry
+        self._owned[entry.owner] = n + 1
+        self._cond.notify_all()
+
+    def _drop(self, e: Exposed) -> None:
+        n = self._owned.get(e.owner, 0) - 1
+        if n > 0:
+            self._owned[e.owner] = n
+        else:
+            self._owned.pop(e.owner, None)
+        release_entry(e)
+
+    def _purge(self) -> None:
+        now = time.monotonic()
+        for table in (self._exposed, self._local):
+            for key in [k for k, e in table.items() if e.expires < now]:
+                self._drop(table.pop(key))
+        for cap in [c for c, t in self._announced.items() if t < now]:
+            del self._announced[cap]
+        for cap in [c for c, (t, _) in self._refused.items() if t < now]:
+            del self._refused[cap]
+
+    def revoke(self, owner: Any) -> None:
+        """The session ``owner`` ended: withdraw its exposures and pending moves."""
+        with self._cond:
+            for table in (self._exposed, self._local):
+                for key in [k for k, e in table.items() if e.owner is owner]:
+                    self._drop(table.pop(key))
 
     # ---- peer to peer --------------------------------------------------------------
     def announce(self, cap: bytes, ttl: float) -> None:
         """The session pump saw EXPOSE arrive: downloads may wait for the worker to reach it."""
+        if not isinstance(cap, bytes) or len(cap) != 32 or not isinstance(ttl, (int, float)) or not ttl > 0:
+            return
         with self._cond:
-            self._announced[cap] = time.monotonic() + min(ttl, 3600.0)
+            if len(self._announced) < self.max_entries:
+                self._announced[cap] = time.monotonic() + min(float(ttl), MAX_TTL)
+
+    def refuse(self, cap: Any, reason: str) -> None:
+        """EXPOSE of ``cap`` failed: a download asking for it is told why (instead of waiting)."""
+        if not isinstance(cap, bytes) or len(cap) > 64:
+            return
+        with self._cond:
+            self._announced.pop(cap, None)
+            if len(self._refused) < self.max_entries:
+                self._refused[cap] = (time.monotonic() + UNANNOUNCED_WAIT * 12, reason)
 
     def expose(self, cap: bytes, entry: Exposed) -> None:
         with self._cond:
-            self._purge()
-            if len(self._exposed) >= self.max_entries:
-                raise TransferError(f"this peer already exposes {self.max_entries} tensors; "
-                                    "capabilities are freed when used up or expired")
-            self._exposed[cap] = entry
+            self._add(self._exposed, cap, entry, "exposed tensors")
             self._announced.pop(cap, None)
-            self._cond.notify_all()
 
-    def claim(self, cap: bytes, peer_id: str | None, timeout: float) -> tuple[Any, Backend]:
-        """Take one download of ``cap`` for ``peer_id`` or raise TransferError with the reason."""
+    def _claim_now(self, cap: bytes, peer_id: str | None) -> tuple[Any, Backend]:
+        e = self._exposed[cap]
+        if e.peer_id is not None and peer_id != e.peer_id:
+            raise TransferError(f"capability is bound to peer {e.peer_id[:16]}…, "
+                                f"not to the requesting peer {(peer_id or 'unauthenticated')[:16]}")
+        if time.monotonic() > e.expires:
+            self._drop(self._exposed.pop(cap))
+            raise TransferError("capability expired")
+        e.downloads -= 1
+        if e.downloads <= 0:
+            self._drop(self._exposed.pop(cap))
+        if e.error is not None:
+            raise TransferError(f"the source tensor has no value: {e.error}")
+        assert e.backend is not None
+        return e.value, e.backend
+
+    async def claim(self, cap: bytes, peer_id: str | None, timeout: float) -> tuple[Any, Backend]:
+        """Take one download of ``cap`` for ``peer_id`` or raise TransferError with the reason.
+
+        Waits on the event loop by polling (a thread per waiting download would let a few
+        bogus requests exhaust the default executor)."""
         start = time.monotonic()
         deadline = start + timeout
-        with self._cond:
-            while cap not in self._exposed:
-                now = time.monotonic()
-                limit = self._announced.get(cap, 0.0)
-                wait_until = min(deadline, limit) if limit else min(deadline, start + UNANNOUNCED_WAIT)
-                if now >= wait_until:
-                    raise TransferError("unknown capability (never exposed here, or already gone)")
-                self._cond.wait(wait_until - now)
-            e = self._exposed[cap]
-            if e.peer_id is not None and peer_id != e.peer_id:
-                raise TransferError(f"capability is bound to peer {e.peer_id[:16]}…, "
-                                    f"not to the requesting peer {(peer_id or 'unauthenticated')[:16]}")
-            if time.monotonic() > e.expires:
-                del self._exposed[cap]
-                raise TransferError("capability expired")
-            if e.downloads <= 0:
-                raise TransferError("capability used up")
-            e.downloads -= 1
-            if e.downloads == 0:
-                del self._exposed[cap]
-            if e.error is not None:
-                raise TransferError(f"the source tensor has no value: {e.error}")
-            assert e.backend is not None
-            return e.value, e.backend
+        delay = 0.001
+        while True:
+            with self._cond:
+                if cap in self._exposed:
+                    return self._claim_now(cap, peer_id)
+                if cap in self._refused:
+                    raise TransferError(f"the source peer refused to expose the tensor: {self._refused[cap][1]}")
+                wait = self._wait_left(cap, start, deadline)
+            if wait <= 0:
+                raise TransferError("unknown capability (never exposed here, or already gone)")
+            await asyncio.sleep(min(delay, wait))
+            delay = min(delay * 2, 0.05)
 
-    def _purge(self) -> None:
-        now = time.monotonic()
-        for cap in [c for c, e in self._exposed.items() if e.expires < now]:
-            del self._exposed[cap]
-        for cap in [c for c, t in self._announced.items() if t < now]:
-            del self._announced[cap]
+    def _wait_left(self, cap: bytes, start: float, deadline: float) -> float:
+        limit = self._announced.get(cap, 0.0)
+        wait_until = min(deadline, limit) if limit else min(deadline, start + UNANNOUNCED_WAIT)
+        return wait_until - time.monotonic()
 
     def exposed_count(self) -> int:
         with self._cond:
             self._purge()
             return len(self._exposed)
 
+    def held_by(self, owner: Any) -> int:
+        """Exposures plus pending moves of one session."""
+        with self._cond:
+            return self._owned.get(owner, 0)
+
     # ---- same peer -------------------------------------------------------------------
     def put_local(self, token: bytes, entry: Exposed) -> None:
         with self._cond:
-            if len(self._local) >= self.max_entries:
-                raise TransferError("too many pending device-to-device moves on this peer")
-            self._local[token] = entry
-            self._cond.notify_all()
+            self._add(self._local, token, entry, "pending device-to-device moves")
 
     def take_local(self, token: bytes, timeout: float) -> Exposed:
+        """The moved entry; its holder's memory is released (the caller now holds the value)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while token not in self._local:
@@ -129,7 +213,9 @@ class TransferHub:
                 if left <= 0:
                     raise TransferError(f"the source device did not hand the tensor over within {timeout:g} s")
                 self._cond.wait(left)
-            return self._local.pop(token)
+            e = self._local.pop(token)
+            self._drop(e)
+            return e
 
 
 def convert(value: Any, src: Backend, dst: Backend) -> Any:
@@ -150,14 +236,18 @@ async def serve_transfer(hub: TransferHub, conn: FrameConnection, request: dict[
     """Answer one download request on ``conn`` (the first frame was ``request``)."""
     probe = probe or OFF
     who = conn.peer_id or conn.remote
-    cap = request.get("capability")
+    cap, wait = request.get("capability"), request.get("wait", 300.0)
     if not isinstance(cap, bytes) or len(cap) != 32:
         probe.transfer(None, who, "serve", "failed", error="malformed capability")
         await conn.send(codec.packb({"type": "denied", "reason": "malformed capability"}))
         return
+    if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= MAX_TTL:
+        probe.transfer(None, who, "serve", "failed", error="malformed wait")
+        await conn.send(codec.packb({"type": "denied", "reason": f"malformed wait {str(wait)[:40]}"}))
+        return
     t0 = time.monotonic()
     try:
-        value, backend = await asyncio.to_thread(hub.claim, cap, conn.peer_id, float(request.get("wait", 300.0)))
+        value, backend = await hub.claim(cap, conn.peer_id, float(wait))
         host = await asyncio.to_thread(backend.to_host, value)
     except TransferError as e:
         log.info("transfer to %s denied: %s", who, e.message)
@@ -184,8 +274,13 @@ async def serve_transfer(hub: TransferHub, conn: FrameConnection, request: dict[
 
 # ---- target side ----------------------------------------------------------------------
 
-async def download(address: str, cap: bytes, *, timeout: float, max_frame: int) -> np.ndarray:
-    """Dial ``address`` on a transfer stream and download the tensor exposed under ``cap``."""
+async def download(address: str, cap: bytes, *, timeout: float, max_frame: int,
+                   reserve: Callable[[int], None] | None = None, dtypes: Any = None) -> np.ndarray:
+    """Dial ``address`` on a transfer stream and download the tensor exposed under ``cap``.
+
+    The header the source sends is checked (``dtypes``: the names allowed; shape and total
+    must agree) and ``reserve(total)`` is called before the buffer is allocated (it raises to refuse).
+    """
     from ..transport import dial
     try:
         conn = await dial(address, timeout=timeout, max_frame=max_frame, kind="transfer")
@@ -198,7 +293,9 @@ async def download(address: str, cap: bytes, *, timeout: float, max_frame: int) 
         if not isinstance(hdr, dict) or hdr.get("type") != "ok":
             reason = hdr.get("reason", "no reason given") if isinstance(hdr, dict) else "malformed answer"
             raise TransferError(f"the source peer denied the transfer: {reason}")
-        total = int(hdr["total"])
+        total, dtype, shape = _checked_header(hdr, dtypes)
+        if reserve is not None:
+            reserve(total)
         buf = np.empty(total, np.uint8)
         view = memoryview(buf)
         if m.DATA_FEATURE in codec.agreed_features(hdr.get("features")):
@@ -211,12 +308,26 @@ async def download(address: str, cap: bytes, *, timeout: float, max_frame: int) 
                     raise TransferError("the source peer sent more bytes than it announced")
                 view[got:got + len(part)] = part
                 got += len(part)
-        return buf.view(np.dtype(hdr["dtype"])).reshape(hdr["shape"])
+        return buf.view(np.dtype(dtype)).reshape(shape)
     finally:
         try:
             await asyncio.wait_for(conn.close(), 2.0)
         except Exception:
             pass
+
+
+def _checked_header(hdr: dict[str, Any], dtypes: Any) -> tuple[int, str, list[int]]:
+    total, dtype, shape = hdr.get("total"), hdr.get("dtype"), hdr.get("shape")
+    ok = type(total) is int and total >= 0 and isinstance(dtype, str) and isinstance(shape, list) \
+        and (dtypes is None or dtype in dtypes) and all(type(d) is int and d >= 0 for d in shape)
+    if ok:
+        try:
+            ok = math.prod(shape) * np.dtype(dtype).itemsize == total
+        except TypeError:
+            ok = False
+    if not ok:
+        raise TransferError(f"the source peer sent a malformed header: {str(hdr)[:120]}")
+    return total, dtype, shape
 
 
 async def _receive_data(conn: FrameConnection, view: memoryview, timeout: float) -> None:
@@ -278,29 +389,62 @@ class TransferOps:
 
     Layouts: ``[EXPOSE, id, capability, target_peer, downloads, ttl]``,
     ``[MOVE, id, token]``, ``[FETCH, id, source_address | None, capability_or_token, timeout]``.
+    Client timeouts are clamped to ``max_wait`` seconds; entries are owned by this session
+    (``hub.revoke(ops)`` when it ends) and keep their tensor charged to it while they live.
     """
 
-    def __init__(self, interp: Any, hub: TransferHub, loop: asyncio.AbstractEventLoop, max_frame: int) -> None:
+    def __init__(self, interp: Any, hub: TransferHub, loop: asyncio.AbstractEventLoop, max_frame: int,
+                 max_wait: float = 300.0) -> None:
         self.interp = interp
         self.hub = hub
         self.loop = loop
         self.max_frame = max_frame
+        self.max_wait = max_wait
 
-    def _entry(self, tid: int, peer: str | None, downloads: int, ttl: float) -> Exposed:
-        v = self.interp.tensors.get(tid)
-        error = None
+    def _entry(self, tid: Any, peer: Any, downloads: Any, ttl: Any) -> Exposed:
+        if peer is not None and not isinstance(peer, str):
+            raise ProtocolError(f"malformed transfer message: target peer {str(peer)[:40]} is not a string")
+        if type(downloads) is not int or not 1 <= downloads <= MAX_DOWNLOADS:
+            raise ProtocolError(f"malformed transfer message: downloads {str(downloads)[:40]} "
+                                f"is not an int in 1..{MAX_DOWNLOADS}")
+        if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not 0 <= ttl <= MAX_TTL:
+            raise ProtocolError(f"malformed transfer message: ttl {str(ttl)[:40]} is not a number of seconds "
+                                f"in [0, {MAX_TTL:g}]")
+        interp = self.interp
+        v = interp.tensors.get(tid) if type(tid) is int else None
+        error, release = None, None
         if v is None:
-            p = self.interp.poison.get(tid)
-            error = p.error["message"] if p else f"tensor {tid} is unknown to the source session"
-        return Exposed(v, self.interp.backend, peer, int(downloads), time.monotonic() + float(ttl), error)
+            p = interp.poison.get(tid) if type(tid) is int else None
+            error = p.error["message"] if p else f"tensor {str(tid)[:40]} is unknown to the source session"
+        else:  # the entry keeps the buffer alive: it stays charged to this session meanwhile
+            key, n = interp._fp(v)
+            interp.mem.hold(key, n, "an exposed tensor")
+            release = lambda mem=interp.mem, key=key: mem.unhold_later(key)  # noqa: E731 - any thread
+        return Exposed(v, interp.backend, peer, downloads, time.monotonic() + float(ttl), error,
+                       owner=self, release=release)
 
     def expose(self, msg: list[Any], out: list[list[Any]]) -> None:
         _, tid, cap, peer, downloads, ttl = msg
-        self.hub.expose(bytes(cap), self._entry(tid, peer, downloads, ttl))
+        try:
+            entry = self._entry(tid, peer, downloads, ttl)
+        except Exception as e:
+            self.hub.refuse(cap, getattr(e, "message", str(e)))
+            raise
+        try:
+            self.hub.expose(_secret(cap, "capability"), entry)
+        except BaseException as e:
+            release_entry(entry)
+            self.hub.refuse(cap, getattr(e, "message", str(e)))
+            raise
 
     def move(self, msg: list[Any], out: list[list[Any]]) -> None:
         _, tid, token = msg
-        self.hub.put_local(bytes(token), self._entry(tid, None, 1, 300.0))
+        entry = self._entry(tid, None, 1, min(300.0, MAX_TTL))
+        try:
+            self.hub.put_local(_secret(token, "token"), entry)
+        except BaseException:
+            release_entry(entry)
+            raise
 
     def fetch(self, msg: list[Any], out: list[list[Any]]) -> None:
         _, tid, source, cap, timeout = msg
@@ -308,24 +452,51 @@ class TransferOps:
         probe, scope, peer = interp.probe, "device" if source is None else "fetch", None if source is None else str(source)
         t0 = time.monotonic()
         probe.transfer(interp.label, peer, scope, "started")
+        if type(tid) is not int:
+            raise ProtocolError(f"malformed Fetch: tensor id {str(tid)[:40]} is not an int")
+        reserved = [0]
+
+        def reserve(total: int) -> None:  # on the loop, before the download allocates its buffer
+            interp.mem.charge(total, lambda: f"downloading tensor {tid} ({total} bytes) from {str(source)[:60]}")
+            reserved[0] = total
+
         try:
+            if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0:
+                raise TransferError(f"malformed Fetch timeout {str(timeout)[:40]}")
+            wait = min(float(timeout), self.max_wait)
+            key = _secret(cap, "capability")
             if source is None:
-                e = self.hub.take_local(bytes(cap), float(timeout))
+                e = self.hub.take_local(key, wait)
                 if e.error is not None:
                     raise TransferError(f"the source tensor has no value: {e.error}")
                 value = convert(e.value, e.backend, interp.backend)  # type: ignore[arg-type]
+            elif not isinstance(source, str):
+                raise TransferError(f"malformed Fetch source {str(source)[:40]}")
             else:
                 fut = asyncio.run_coroutine_threadsafe(
-                    download(source, bytes(cap), timeout=float(timeout), max_frame=self.max_frame), self.loop)
-                value = interp.backend.from_host(fut.result(2 * float(timeout) + UNANNOUNCED_WAIT + 10.0))
-            interp.tensors[tid] = value
+                    download(source, key, timeout=wait, max_frame=self.max_frame, reserve=reserve,
+                             dtypes=interp.backend.dtypes), self.loop)
+                value = interp.backend.from_host(fut.result(2 * wait + UNANNOUNCED_WAIT + 10.0))
+            interp.put(tid, value, "to_device", reserved[0])
+            reserved[0] = 0
             interp.poison.pop(tid, None)
             probe.transfer(interp.label, peer, scope, "completed", int(getattr(value, "nbytes", 0)),
                            time.monotonic() - t0)
         except Exception as e:
-            message = e.message if isinstance(e, TransferError) else f"{type(e).__name__}: {e}"
-            probe.transfer(interp.label, peer, scope, "failed", 0, time.monotonic() - t0, message)
-            from .interpreter import Poison
-            interp.tensors.pop(tid, None)
-            interp.poison[tid] = Poison({"kind": "TransferError", "op": "to_device",
-                                         "message": f"moving a tensor to {interp.backend.spec} failed: {message}"})
+            interp.mem.release(reserved[0])
+            probe.transfer(interp.label, peer, scope, "failed", 0, time.monotonic() - t0,
+                           e.message if isinstance(e, EmberError) else f"{type(e).__name__}: {e}")
+            if isinstance(e, LimitExceeded):
+                poison = Poison({"kind": "LimitExceeded", "op": "to_device", "message": e.message})
+            else:
+                message = e.message if isinstance(e, EmberError) else f"{type(e).__name__}: {e}"
+                poison = Poison({"kind": "TransferError", "op": "to_device",
+                                 "message": f"moving a tensor to {interp.backend.spec} failed: {message}"})
+            interp._set_poison([tid], poison)
+
+
+def _secret(v: Any, what: str) -> bytes:
+    """A capability or move token: 16 to 64 random bytes (the client sends 32)."""
+    if not isinstance(v, bytes) or not 16 <= len(v) <= 64:
+        raise ProtocolError(f"malformed transfer message: the {what} must be 16 to 64 bytes")
+    return v

@@ -166,23 +166,37 @@ class IrohListener:
                  transfer_handler: TransferHandler | None = None,
                  retries: int = 3, backoff: float = 0.25, online_timeout: float = 5.0,
                  header_timeout: float = 10.0, handshake_timeout: float = 10.0,
-                 max_streams: int | None = 256) -> None:
+                 max_streams: int | None = 256, require_relay: bool = False,
+                 discovery: bool = True) -> None:
         self.key, self.relay_spec, self.offline = key, relay, offline
         self.bind = bind
         self.max_frame = max_frame
         self.transfer_handler = transfer_handler
-        self._bind_opts = dict(retries=retries, backoff=backoff, online_timeout=online_timeout)
+        self.online_timeout = online_timeout
+        self.require_relay = require_relay
+        self._bind_opts = dict(retries=retries, backoff=backoff, online_timeout=online_timeout,
+                               require_relay=require_relay, discovery=discovery)
         self.header_timeout = header_timeout
         self.handshake_timeout = handshake_timeout
         self.max_streams = max_streams
         self.endpoint: Any = None
         self._server: _ConnectionServer | None = None
         self._accept_task: asyncio.Task | None = None
+        self._relay_task: asyncio.Task | None = None
         self._stopping = False
         self._addr: Any = None
+        #: "offline", "disabled", "online" or "unreachable" (serving on direct addresses, retrying relays)
+        self.relay_status = "offline" if offline else "pending"
+        #: why relays were unreachable (the one warning), when they were
+        self.relay_warning: str | None = None
+        #: called with the new ticket once a relay is reached after all
+        self.on_relay: list[Callable[[str], None]] = []
 
     async def start(self, handler: SessionHandler) -> None:
-        """Bind and accept; raises :class:`ember.errors.BindError`."""
+        """Bind and accept; raises :class:`ember.errors.BindError`.
+
+        Relays unreachable and ``require_relay`` off: serve on the direct addresses anyway,
+        warn once (``relay_warning``, logged) and keep waiting for a relay in the background."""
         if self.endpoint is not None or self._stopping:
             raise RuntimeError("an IrohListener starts once")
         self.endpoint = await bind_endpoint(key=self.key, relay=self.relay_spec,
@@ -191,6 +205,43 @@ class IrohListener:
         self._server = _ConnectionServer(handler, self.transfer_handler, self.max_frame,
                                          self.header_timeout, self.max_streams)
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+        await self._reach_relay()
+
+    async def _reach_relay(self) -> None:
+        spec = "disabled" if self.offline else parse_relay(self.relay_spec)
+        if self.offline or spec == "disabled":
+            self.relay_status = "offline" if self.offline else "disabled"
+            return
+        if self.require_relay:  # bind_endpoint waited (and would have raised)
+            self.relay_status = "online"
+            return
+        try:
+            await asyncio.wait_for(self.endpoint.online(), self.online_timeout)
+            self.relay_status = "online"
+            return
+        except asyncio.TimeoutError:
+            pass
+        which = "the default n0 relays" if spec == "default" else ", ".join(spec)
+        self.relay_status = "unreachable"
+        self.relay_warning = (f"relays unreachable: no answer from {which} within {self.online_timeout:g} s; "
+                              "serving on direct addresses (and WebSocket), retrying relays in the background")
+        log.debug("%s", self.relay_warning)  # (ember serve prints it; Python callers read relay_warning)
+        self._relay_task = asyncio.get_running_loop().create_task(self._await_relay())
+
+    async def _await_relay(self) -> None:
+        """iroh keeps dialing its relays; say so once one answers."""
+        try:
+            await self.endpoint.online()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the endpoint closed
+            log.debug("waiting for a relay ended: %s", iroh_message(e))
+            return
+        self.relay_status = "online"
+        log.info("relay reached: %s", self.relay_url)
+        for cb in list(self.on_relay):
+            with suppress(Exception):
+                cb(self.ticket)
 
     async def _accept_loop(self) -> None:
         assert self._server is not None
@@ -228,6 +279,10 @@ class IrohListener:
         if self.endpoint is None or self._stopping:
             return
         self._stopping = True
+        if self._relay_task is not None:
+            self._relay_task.cancel()
+            with suppress(BaseException):
+                await asyncio.wait_for(self._relay_task, _CLOSE_STEP)
         if self._server is not None:
             await self._server.shutdown()
         if self._accept_task is not None:

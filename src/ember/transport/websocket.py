@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import ssl as _ssl
 from typing import Any
 
@@ -12,6 +13,16 @@ from websockets.asyncio.server import ServerConnection, serve
 
 from ..errors import ConnectError
 from .base import Frame, SessionHandler, bind_error, frame_parts
+
+
+def is_loopback(host: str) -> bool:
+    """Is ``host`` (an IP literal or ``localhost``) reachable from this host only?"""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _ws_options(max_frame: int) -> dict[str, Any]:

@@ -1,0 +1,136 @@
+"""Serving through network faults: relays unreachable, and links that start dropping every packet."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import iroh
+import numpy as np
+import pytest
+
+import ember
+import ember.array_api as xp
+from ember.errors import ConnectError, SessionLost
+from ember.server import Server
+
+from netfault import DroppingProxy
+
+
+def dead_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def serve_with_dead_relay(*extra: str) -> subprocess.Popen:
+    """`ember serve` told to use a relay on a dead loopback port (discovery off: nothing leaves the host)."""
+    env = {k: v for k, v in os.environ.items() if k != "EMBER_OFFLINE"}
+    env.update(PYTHONUNBUFFERED="1", EMBER_BIND="127.0.0.1:0,[::1]:0")
+    p = subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", "--websocket", "127.0.0.1:0",
+                          "--relay", f"http://127.0.0.1:{dead_port()}", "--no-discovery", *extra],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return p
+
+
+@pytest.mark.timeout(90)
+def test_relays_unreachable_serves_on_websocket_and_direct_addresses_and_warns_once():
+    p = serve_with_dead_relay()
+    info: dict[str, str] = {}
+    try:
+        assert p.stdout is not None and p.stderr is not None
+        deadline = time.monotonic() + 60
+        while "secret-key" not in info and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                break
+            ws = re.search(r"listening on (ws://\S+)", line)
+            if ws:
+                info["ws"] = ws.group(1)
+            kv = re.search(r"iroh (\S+) (.+)$", line.strip())
+            if kv:
+                info[kv.group(1)] = kv.group(2)
+        assert "ws" in info and "ticket" in info, (info, p.stderr.read() if p.poll() is not None else "")
+        d = ember.connect(info["ws"])
+        assert float(xp.sum(xp.arange(4, device=d))) == 6
+        d.close()
+        t = ember.connect(info["ticket"])  # direct addresses only: no relay needed
+        assert float(xp.sum(xp.ones(5, device=t))) == 5
+        t.close()
+        p.terminate()
+        assert p.wait(20) == 0
+        err = p.stderr.read()
+        assert err.count("relays unreachable") == 1, err
+        assert "retrying relays in the background" in err and "--require-relay" in err
+    finally:
+        p.kill()
+        p.wait(10)
+
+
+@pytest.mark.timeout(60)
+def test_require_relay_keeps_the_fail_fast():
+    p = serve_with_dead_relay("--require-relay")
+    try:
+        out, err = p.communicate(timeout=50)
+    finally:
+        p.kill()
+    assert p.returncode == 2, out + err
+    assert "relays unreachable" in err and "hint:" in err and "Traceback" not in err
+
+
+def _lose_and_reconnect(address: str, proxy: DroppingProxy, hb: float) -> None:
+    d = ember.connect(address, heartbeat_interval=0.25, heartbeat_timeout=hb, timeout=3.0)
+    x = xp.asarray(np.arange(6.0), device=d)
+    assert float(xp.sum(x)) == 15.0
+    proxy.dropping = True
+    y = x * 2.0
+    t0 = time.monotonic()
+    with pytest.raises(SessionLost, match="did not answer"):
+        y.to_numpy()
+    took = time.monotonic() - t0
+    assert took < hb + 2.0, took  # within the heartbeat window, no hang
+    assert proxy.dropped > 0
+    with pytest.raises(SessionLost):  # arrays do not survive their session
+        (x + 1.0).to_numpy()
+    t0 = time.monotonic()
+    with pytest.raises(ConnectError):  # the path is still down: new work fails within its timeout
+        float(xp.sum(xp.ones(3, device=d)))
+    assert time.monotonic() - t0 < 10
+    proxy.dropping = False
+    assert float(xp.sum(xp.ones(3, device=d))) == 3.0  # the path is back: new work reconnects
+    d.close()
+
+
+@pytest.mark.timeout(60)
+def test_dropping_tcp_link_gives_session_lost_then_reconnects():
+    srv = Server(["cpu"])
+    srv.listen_websocket("127.0.0.1", 0)
+    port = int(srv.start_in_thread()[0].rsplit(":", 1)[1])
+    proxy = DroppingProxy("tcp", port)
+    try:
+        _lose_and_reconnect(f"ws://127.0.0.1:{proxy.port}", proxy, hb=2.0)
+    finally:
+        proxy.close()
+        srv.close()
+
+
+@pytest.mark.timeout(60)
+def test_dropping_udp_link_gives_session_lost_then_reconnects_over_iroh():
+    srv = Server(["cpu"])
+    lst = srv.listen_iroh(offline=True, bind=["127.0.0.1:0", "[::1]:0"])
+    srv.start_in_thread()
+    port = int(next(a for a in lst.direct_addresses if a.startswith("127.0.0.1:")).rsplit(":", 1)[1])
+    proxy = DroppingProxy("udp", port)
+    ticket = str(iroh.EndpointTicket.from_addr(  # the peer, reachable only through the proxy
+        iroh.EndpointAddr(iroh.EndpointId.from_string(lst.peer_id), None, [f"127.0.0.1:{proxy.port}"])))
+    try:
+        _lose_and_reconnect(ticket, proxy, hb=2.0)
+    finally:
+        proxy.close()
+        srv.close()
