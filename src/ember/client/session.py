@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .._version import __version__
-from ..errors import (AuthorizationError, ConnectError, EmberError, LimitExceeded, ProtocolError, SessionLost,
+from ..errors import (AuthorizationError, ConnectError, EmberError, ProtocolError, SessionLost,
                       from_wire)
 from ..protocol import codec
 from ..protocol import messages as m

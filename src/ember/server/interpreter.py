@@ -20,9 +20,9 @@ from .adapters import adapt
 from .backends import Backend, UnknownOp
 from .graph_cache import GraphCache
 from .memory import DeviceMemory, SessionMemory, footprint_for, host_copy_bytes
-from .replay import (GraphReplay, NeedGraph, Poison, call_text, describe, describe_layouts, limit_poison,
-                     store_results)
-from .sizes import PREDICTED, THRESHOLD, custom_outputs, predict, upload_fault
+from .holdings import SMALL, Holdings, _ELEMENTWISE
+from .replay import GraphReplay, NeedGraph, Poison, call_text, describe, describe_layouts, limit_poison
+from .sizes import PREDICTED, custom_outputs, upload_fault
 from .telemetry import OFF
 
 #: ``respond(responses)`` sends one frame of responses; ``respond([[req, OK, [dtype, shape, 0, nil, total]]],
@@ -82,10 +82,6 @@ class Placed:
         self.n = n
 
 
-_ELEMENTWISE = ops.ELEMENTWISE
-SMALL = THRESHOLD // 16
-"""Operands below this many bytes cannot make an elementwise result worth reserving for."""
-
 #: What the network loop may run itself (see ``Interpreter.cheap``).
 INLINE_OPS = ops.ELEMENTWISE
 INLINE_MAX_MESSAGES = 16
@@ -97,7 +93,7 @@ def _unbounded() -> SessionMemory:
     return DeviceMemory(None, "unbounded").session(None, "interpreter")
 
 
-class Interpreter(GraphReplay):
+class Interpreter(GraphReplay, Holdings):
     """State and execution of one session (runs on the session's worker thread)."""
 
     def __init__(self, backend: Backend, table: dict[str, Callable[..., Any]],
@@ -327,108 +323,6 @@ class Interpreter(GraphReplay):
         return f"{type(e).__name__}: {str(e)[:500]}"
 
     # ---- memory: what each tensor costs (see server/memory.py) ---------------------------
-    def _reserve(self, name: str, vals: list[Any], kwargs: Any) -> int:
-        """Charge an op's predicted output before it runs when it may exceed what its inputs hold."""
-        if name in ops.ELEMENTWISE and len(vals) <= 2:  # the hot path: small operands, no broadcast
-            a = vals[0] if vals else None
-            b = vals[1] if len(vals) == 2 else None
-            na, nb = getattr(a, "nbytes", 0), getattr(b, "nbytes", 0)
-            if na < SMALL and nb < SMALL and (not na or not nb or a.shape == b.shape):
-                return 0  # at most 8x an operand under THRESHOLD / 16: charged once it exists
-        need = predict(name, vals, kwargs, self.backend.xp)
-        if not need:
-            return 0
-        fp = self._fp
-        if need <= max((fp(v)[1] for v in vals if getattr(v, "shape", None) is not None), default=0):
-            return 0  # no larger than an input: charged once it exists
-        self.mem.charge(need, lambda: call_text(name, vals, kwargs))
-        return need
-
-    def _footprints(self, fn: Any, args: Any, kwargs: Any) -> list[tuple[Any, int, int]] | None:
-        """(id, buffer key, bytes) of the operands an in-place op writes (ATen ops on torch devices)."""
-        if not self._aten:
-            return None
-        w = getattr(fn, "written", None)
-        if w is None:
-            return None
-        try:
-            ids = [args[p] for p in w(kwargs) if p < len(args)]
-        except Exception:  # noqa: BLE001 - a malformed call fails in the op itself
-            return None
-        t, fp = self.tensors, self._fp
-        return [(i, *fp(t[i])) for i in ids if type(i) is int and i in t]
-
-    def _recharge(self, before: list[tuple[Any, int, int]], name: str) -> None:
-        """A written operand may have grown (``resize_``, ``out=``): charge what it holds now, or
-        poison it (freeing it) when that is over a budget."""
-        t, fp, mem = self.tensors, self._fp, self.mem
-        for tid, key, n in before:
-            v = t.get(tid)
-            if v is None:
-                continue
-            nkey, nn = fp(v)
-            if (nkey, nn) == (key, n):
-                continue
-            mem.unhold(key)
-            try:
-                mem.hold(nkey, nn, (name, v))
-            except LimitExceeded as e:
-                t.pop(tid, None)  # its new buffer was never charged: nothing to release
-                self._set_poison([tid], limit_poison(name, self.backend.spec, e))
-
-    def put(self, tid: Any, value: Any, what: str, prepaid: int = 0) -> None:
-        """Store ``value`` under ``tid``, charging its buffer (LimitExceeded: nothing stored or charged)."""
-        t = self.tensors
-        old = t.get(tid)
-        if old is None and len(t) >= self.max_tensors:
-            self.mem.release(prepaid)
-            raise LimitExceeded(f"this session already holds {len(t)} tensors, the most this peer allows "
-                                f"(max_tensors)", hint="free arrays you no longer need (del x)")
-        if self._numpy and type(value) is np.ndarray and value.base is None:  # the hot path, inlined
-            key, n = id(value), value.nbytes
-        else:
-            key, n = self._fp(value)
-        self.mem.hold(key, n, (what, value), prepaid)
-        t[tid] = value
-        if old is not None:
-            self.mem.unhold(self._fp(old)[0])
-        elif self.poison:
-            self.poison.pop(tid, None)  # a reused id: its old error is gone with it
-
-    def _put_all(self, outs: list[Any], res: Any, name: str) -> None:
-        if len(res) != len(outs):
-            raise ValueError(f"{name} returned {len(res)} results for {len(outs)} outputs")
-        done = []
-        try:
-            for o, r in zip(outs, res):
-                self.put(o, r, name)
-                done.append(o)
-        except Exception:
-            for o in done:  # all outputs or none
-                self.forget(o)
-            raise
-
-    def forget(self, tid: Any) -> None:
-        """Drop ``tid`` (value or poison), releasing its buffer when nothing else refers to it."""
-        v = self.tensors.pop(tid, None)
-        if v is None:
-            self.poison.pop(tid, None)
-        elif self._numpy and type(v) is np.ndarray and v.base is None:
-            self.mem.unhold(id(v))
-        else:
-            self.mem.unhold(self._fp(v)[0])
-
-    def _set_poison(self, outs: Any, poison: Poison) -> None:
-        p = self.poison
-        try:
-            for o in outs:
-                self.forget(o)
-                if len(p) >= self.max_tensors:  # bounded: the oldest poisoned ids are forgotten first
-                    del p[next(iter(p))]
-                p[o] = poison
-        except TypeError:  # not a list of ids: nothing to poison
-            pass
-
     def _fail(self, name: str, args: Any, smask: Any, outs: Any, e: Exception, kwargs: Any = None) -> None:
         """Poison ``outs`` with the error (or the upstream poison an input carries)."""
         try:

@@ -307,30 +307,6 @@ class Session:
             raise ProtocolError(f"a data frame from a client must carry one Upload, got {str(head)[:80]}")
         placed = self._placed.pop((head[1], head[4]), None) if not len(payload) else None
         head[5] = Placed(placed) if placed is not None else payload
-        return head
-
-
-    # ---- data frames (on the loop) ---------------------------------------------------
-    def sink(self, head: memoryview, n: int) -> memoryview | None:
-        """The transport's data sink: where an upload chunk's payload should be read into."""
-        try:
-            h = codec.decode_data_head(head)
-        except ProtocolError:
-            return None
-        if len(h) != 7 or h[0] != m.UPLOAD or h[5] is not None:
-            return None
-        dest = self.interp.upload_target(h[1], h[2], h[3], h[4], n, h[6])
-        if dest is not None:
-            self._placed[(h[1], h[4])] = n
-        return dest
-
-    def data_message(self, frame: Any) -> list[Any]:
-        """The UPLOAD message a data frame carries (its bytes, or ``Placed`` when the sink put them)."""
-        head, payload = codec.decode_data(frame)
-        if len(head) != 7 or head[0] != m.UPLOAD or head[5] is not None:
-            raise ProtocolError(f"a data frame from a client must carry one Upload, got {str(head)[:80]}")
-        placed = self._placed.pop((head[1], head[4]), None) if not len(payload) else None
-        head[5] = Placed(placed) if placed is not None else payload
         self.bytes_in += placed or 0  # (the transport read those bytes straight into place)
         return head
 
