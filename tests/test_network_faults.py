@@ -134,3 +134,33 @@ def test_dropping_udp_link_gives_session_lost_then_reconnects_over_iroh():
     finally:
         proxy.close()
         srv.close()
+
+
+def test_iroh_objects_dying_on_an_iroh_thread_are_freed_later_not_there():
+    """The binding's deadlock (a SendStream freed inside iroh's callback thread) cannot happen."""
+    import ctypes
+    import gc
+
+    from ember.transport import iroh_finalizers
+    iroh_finalizers.install()
+    before = iroh_finalizers.deferred
+    done = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+    def foreign(_arg):  # runs on a thread Python did not start, as iroh's callbacks do
+        import threading
+        key = iroh.SecretKey.generate()
+        done.append(isinstance(threading.current_thread(), threading._DummyThread))
+        del key
+        gc.collect()
+        return None
+
+    libc = ctypes.CDLL(None)
+    tid = ctypes.c_ulong()
+    assert libc.pthread_create(ctypes.byref(tid), None, foreign, None) == 0
+    assert libc.pthread_join(tid, None) == 0
+    assert done == [True]
+    assert iroh_finalizers.deferred == before + 1
+    key = iroh.SecretKey.generate()  # on a Python thread: freed at once, as before
+    del key
+    assert iroh_finalizers.deferred == before + 1

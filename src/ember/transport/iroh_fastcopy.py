@@ -221,4 +221,6 @@ def install_loop_fix() -> bool:
 
 def install_all() -> dict[str, bool]:
     """Install every fix; returns which ones are active."""
-    return {"fast_copy": install_fast_copy(), "loop_fix": install_loop_fix()}
+    from .iroh_finalizers import install as install_finalizers
+    return {"fast_copy": install_fast_copy(), "loop_fix": install_loop_fix(),
+            "finalizers": install_finalizers() >= 0}
