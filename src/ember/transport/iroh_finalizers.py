@@ -49,14 +49,20 @@ def _defer(free: Any, handle: Any) -> None:
 
 
 def _deleter(free: Any) -> Callable[[Any], None]:
+    # bound now: at interpreter exit module globals are already gone when the last objects die
+    current, dummy, call, defer = threading.current_thread, threading._DummyThread, _ffi._uniffi_rust_call, _defer
+
     def __del__(self: Any) -> None:
         handle = getattr(self, "_handle", None)
         if handle is None:
             return
-        if isinstance(threading.current_thread(), threading._DummyThread):  # a Rust thread
-            _defer(free, handle)
-        else:
-            _ffi._uniffi_rust_call(free, handle)
+        try:
+            if isinstance(current(), dummy):  # a Rust thread
+                defer(free, handle)
+            else:
+                call(free, handle)
+        except Exception:  # noqa: BLE001 - at interpreter exit: nothing left to free into
+            pass
     return __del__
 
 
