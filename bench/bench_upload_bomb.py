@@ -5,7 +5,8 @@ baseline, e.g. ``--tree main=/work/main/src``) the script starts
 ``ember serve --websocket 127.0.0.1:0 --no-iroh`` with that tree on PYTHONPATH
 and the serve flags given (``--serve-args``), opens a raw WebSocket session
 and sends ``--count`` UPLOAD frames of ~40 bytes, each declaring ``--gib`` GiB
-and carrying one byte, then reads one of them back. It reports the peer's RSS
+and carrying one byte (``--fill MIB``: then that much real data for each), then reads one
+of them back. It reports the peer's RSS
 before and after, what the read answered, and whether a second client is still
 served. Trees alternate and repeat (``--repeat``) so both see the same machine.
 
@@ -34,7 +35,7 @@ def peer_rss(pid: int) -> int:
     return 0
 
 
-def bomb(tree: str, gib: float, count: int, serve_args: list[str]) -> dict:
+def bomb(tree: str, gib: float, count: int, serve_args: list[str], fill_mib: int = 0) -> dict:
     env = {**os.environ, "PYTHONPATH": tree, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     p = subprocess.Popen([sys.executable, "-c", "import sys; from ember.cli.main import main; sys.exit(main())",
                           "serve", "--websocket", "127.0.0.1:0", "--no-iroh", *serve_args],
@@ -61,6 +62,10 @@ def bomb(tree: str, gib: float, count: int, serve_args: list[str]) -> dict:
             frame = msgpack.packb([[1, 10 + i, "uint8", [total], 0, b"x", total]], use_bin_type=True)
             sizes.append(len(frame))
             ws.send(frame)
+            chunk = b"\1" * (1 << 20)
+            for off in range(1, min(total, fill_mib << 20), 1 << 20):  # then real bytes, if asked
+                ws.send(msgpack.packb([[1, 10 + i, "uint8", [total], off, chunk[:min(1 << 20, total - off)], total]],
+                                      use_bin_type=True))
         ws.send(msgpack.packb([[3, 1, 10], [4, 2]]))  # READ the first one, SYNC
         t0 = time.monotonic()
         answer = None
@@ -93,17 +98,20 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=1.0, help="GiB each UPLOAD declares (default 1)")
     ap.add_argument("--count", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--fill", type=int, default=0, metavar="MIB",
+                    help="after each declaring frame, send this many MiB of real data for that upload")
     ap.add_argument("--serve-args", default="", help="extra `ember serve` flags, e.g. '--session-memory 1GiB'")
     args = ap.parse_args()
     trees = [t.split("=", 1) for t in args.tree] or [["this", str(Path(__file__).resolve().parents[1] / "src")]]
     results: dict[str, list] = {name: [] for name, _ in trees}
     for _ in range(args.repeat):
         for name, path in trees:
-            r = bomb(os.path.abspath(path), args.gib, args.count, args.serve_args.split())
+            r = bomb(os.path.abspath(path), args.gib, args.count, args.serve_args.split(), args.fill)
             results[name].append(r)
             print(f"{name:>12}: RSS {r['rss_before_mib']:.0f} -> {r['rss_after_mib']:.0f} MiB "
                   f"(+{r['rss_growth_mib']:.0f}) after {args.count} frames of {r['frame_bytes'][0]} bytes "
-                  f"declaring {args.gib:g} GiB each; read: {r['read']}; other client served: "
+                  f"declaring {args.gib:g} GiB each{f' (+{args.fill} MiB of data each)' if args.fill else ''}; "
+                  f"read: {r['read']}; other client served: "
                   f"{r['other_client_served']}", flush=True)
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)

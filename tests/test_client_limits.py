@@ -173,3 +173,32 @@ def test_client_and_peer_limits_are_announced():
 
 def test_limit_exceeded_is_a_protocol_error_subclass_for_old_handlers():
     assert issubclass(LimitExceeded, ProtocolError)
+
+
+@pytest.mark.timeout(60)
+def test_a_flood_of_large_frames_waits_in_the_socket_not_in_the_peer(make_peer):
+    """While the worker is busy, big upload frames pile up in TCP, not in the peer's memory."""
+    import threading
+
+    from test_memory_budgets import rss
+    srv = make_peer()
+    srv.register_op("nap", lambda xp_, x, *, seconds: (time.sleep(seconds), x * 1.0)[1])
+    ws, _ = raw_session(srv.addresses[0])
+    ws.send(codec.packb([[m.UPLOAD, 1, "float64", [4], 0, np.ones(4).tobytes(), 32],
+                         [m.CUSTOM, "nap", [1], [2], {"seconds": 8.0}, [[[4], "float64"]]]]))
+    time.sleep(0.3)
+    before = rss()
+    chunk = 32 << 20
+    frame = codec.packb([[m.UPLOAD, 100, "uint8", [chunk], 0, b"\1" * chunk, chunk]])
+
+    def push() -> None:
+        try:
+            for _ in range(48):  # 1.5 GiB, far beyond what the peer should buffer
+                ws.send(frame)
+        except Exception:
+            pass
+    threading.Thread(target=push, daemon=True).start()
+    time.sleep(4)
+    grown = rss() - before  # this process hosts the peer (and the pushing client's one frame)
+    assert grown < 512 << 20, f"the peer buffered {grown >> 20} MiB"
+    ws.close()

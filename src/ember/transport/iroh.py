@@ -111,7 +111,7 @@ class _ConnectionServer:
             self.conns.discard(conn)
 
     async def _serve_stream(self, bi: Any, conn: Any, peer: str) -> None:
-        c = IrohConnection(bi, conn, peer_id=peer, max_frame=self.max_frame,
+        c = IrohConnection(bi, conn, peer_id=peer, max_frame=self.max_frame, queue_size=2,
                            first_frame_limit=HEADER_LIMIT)
         try:
             try:

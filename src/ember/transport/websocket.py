@@ -25,6 +25,10 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+#: Frames a server connection buffers before it stops reading the socket (TCP back-pressure).
+SERVER_QUEUE = 4
+
+
 def _ws_options(max_frame: int) -> dict[str, Any]:
     # Compression off (tensor bytes don't compress, and it costs CPU); Ember runs
     # its own heartbeat, so the library's pings are off too.
@@ -78,8 +82,10 @@ class WebSocketListener:
             await handler(WebSocketConnection(ws, f"{host}:{port}"))
 
         try:
+            # a peer reads a session's frames only as fast as its worker runs them (server/session.py):
+            # the library's own buffer holds at most a few frames meanwhile, not 64 of up to max_frame
             self._server = await serve(on_connect, self.host, self.port, ssl=self.ssl,
-                                       **_ws_options(self.max_frame))
+                                       **{**_ws_options(self.max_frame), "max_queue": SERVER_QUEUE})
         except OSError as e:
             raise bind_error(e, f"{self.host}:{self.port}", "WebSocket", "--websocket") from None
         scheme = "wss" if self.ssl else "ws"
