@@ -31,9 +31,10 @@ Tensors are charged per *buffer*: views (reshapes, slices, transposes,
 broadcasts) of a buffer the session already holds cost nothing more, and keep
 that buffer charged for as long as they live (:meth:`SessionMemory.hold`).
 Graph-cache entries, exposed transfers and half-received uploads are charged
-by bytes (:meth:`SessionMemory.charge`). Frames queued for the network (answers
-to reads) and batches queued for the session's worker are *counted* but never
-refused (``shared_charge``): back-pressure bounds them instead. Closing a
+by bytes (:meth:`SessionMemory.charge`). Batches queued for the session's worker
+are *counted* but never refused (``shared_charge``), and answers queued for the
+network appear in the session's figures: back-pressure bounds both instead
+(``max_inflight``, ``stage_window`` in :mod:`ember.server.limits`). Closing a
 session returns everything it held (:meth:`SessionMemory.close`).
 
 Anything else that keeps memory for a session (e.g. the PyTorch frontend's

@@ -110,7 +110,10 @@ class Session:
         self.done = 0    # batches the worker finished (written by the worker)
         self.queued_bytes = 0  # their estimated decoded size (written by the loop)
         self.done_bytes = 0    # (written by the worker)
-        self.staged = 0        # bytes of answers waiting for the network (under _cond)
+        # answers waiting for the network: bytes in (from the worker, from the loop) and out, each
+        # written by one thread only, so counting costs no lock; the worker waits on _cond past the window
+        self._in_worker = self._in_loop = self._out = 0
+        self._waiting = False
         self._cond = threading.Condition()
         self.sender: asyncio.Future[None] | None = None
         self.inline = bool(getattr(server, "inline_small", True))
@@ -161,9 +164,7 @@ class Session:
         if threading.get_ident() == self._loop_thread:
             self.post(frame, n)
             return
-        self.mem.shared_charge(n)
-        with self._cond:
-            self.staged += n
+        self._in_worker += n
         try:
             self.loop.call_soon_threadsafe(self.outbox.put_nowait, frame)
         except RuntimeError:  # loop closed: the server is shutting down
@@ -172,24 +173,27 @@ class Session:
         window = self.limits.stage_window
         if self.staged > window:
             with self._cond:
+                self._waiting = True
                 while self.staged > window and self.alive:
                     self._cond.wait(1.0)
+                self._waiting = False
+
+    @property
+    def staged(self) -> int:
+        """Bytes of answers waiting for the network (bounded by ``stage_window``, in the session's figures)."""
+        return self._in_worker + self._in_loop - self._out
 
     def post(self, frame: Any, n: int | None = None) -> None:
         """On the loop: queue a frame (or a ``(data-frame stream, bytes)`` pair) for the sender,
         counted until it has left."""
-        n = len(frame) if n is None else n
-        self.mem.shared_charge(n)
-        with self._cond:
-            self.staged += n
+        self._in_loop += len(frame) if n is None else n
         self.outbox.put_nowait(frame)
 
     def sent(self, n: int) -> None:
         """On the loop: a frame of ``n`` bytes has left."""
-        self.mem.shared_release(n)
-        with self._cond:
-            self.staged -= n
-            if self.staged <= self.limits.stage_window:
+        self._out += n
+        if self._waiting:
+            with self._cond:
                 self._cond.notify_all()
 
     def _work(self) -> None:
