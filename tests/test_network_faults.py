@@ -160,7 +160,8 @@ def test_iroh_objects_dying_on_an_iroh_thread_are_freed_later_not_there():
     assert libc.pthread_create(ctypes.byref(tid), None, foreign, None) == 0
     assert libc.pthread_join(tid, None) == 0
     assert done == [True]
-    assert iroh_finalizers.deferred == before + 1
+    after = iroh_finalizers.deferred
+    assert after >= before + 1  # (the collection may have found other iroh objects too)
     key = iroh.SecretKey.generate()  # on a Python thread: freed at once, as before
     del key
-    assert iroh_finalizers.deferred == before + 1
+    assert iroh_finalizers.deferred == after

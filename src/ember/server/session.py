@@ -547,10 +547,21 @@ def _transfer_request(first: bytes) -> dict[str, Any] | None:
 
 
 async def _close_quietly(conn: FrameConnection) -> None:
+    """Close, reading (and dropping) whatever the client still sends meanwhile: a WebSocket's close
+    handshake needs the client's close frame, queued behind the frames nobody reads any more."""
+    async def drain() -> None:
+        try:
+            while await conn.recv() is not None:
+                pass
+        except Exception:  # noqa: BLE001 - broken or closed: done
+            pass
+    reader = asyncio.ensure_future(drain())
     try:
         await asyncio.wait_for(conn.close(), 5.0)
     except Exception:
         pass
+    finally:
+        reader.cancel()
 
 
 __all__ = ["drive_session", "Session", "SessionHost", "AuthorizationError"]
