@@ -7,7 +7,7 @@ graph-cached loops, creation + where) for ``--seconds``, checking every result
 against NumPy. Twice during the run one client process is SIGKILLed mid-batch
 and replaced. At the end every session has gone; the peer's memory budget must
 be back at zero and its RSS within 10 % of the baseline measured after a
-warm-up in the same run. Prints sessions held, ops/s, results checked, anything
+warm-up with the same load in the same run. Prints sessions held, ops/s, results checked, anything
 lost, budget and RSS, and writes JSON to bench/results/soak.json.
 
     python bench/bench_soak.py [--seconds 60] [--processes 4] [--sessions 16]
@@ -158,11 +158,19 @@ def main() -> int:
     srv = Server(["cpu"], max_sessions_per_client=total + args.sessions, session_memory="256MiB")
     srv.listen_websocket("127.0.0.1", 0)
     address = srv.start_in_thread()[0]
-    print(f"peer at {address}; warm-up", flush=True)
-    warm = spawn(address, args.sessions, min(5.0, args.seconds / 6), 999)
-    result_of(warm, 120)
+    print(f"peer at {address}; warm-up (the same load, briefly: one-time native allocations such as "
+          "BLAS buffers and per-thread malloc arenas happen before the baseline)", flush=True)
+    warm = [spawn(address, args.sessions, min(10.0, args.seconds / 6), 900 + k) for k in range(args.processes)]
+    for w in warm:
+        result_of(w, 120)
     settle(srv)
     baseline = rss()
+    if os.environ.get("SOAK_DEBUG"):
+        import collections
+        import sys as _sys
+        baseline_blocks = _sys.getallocatedblocks()
+        baseline_counts = collections.Counter(type(o).__name__ for o in gc.get_objects())
+        baseline_objects = sum(baseline_counts.values())
     print(f"baseline RSS {baseline / 2**20:.1f} MiB; {total} sessions from {args.processes} processes "
           f"for {args.seconds:g} s", flush=True)
 
@@ -189,6 +197,13 @@ def main() -> int:
     wall = time.monotonic() - t0
     settle(srv)
     end_budget, end_rss = srv.memory_held(), rss()
+    if os.environ.get("SOAK_DEBUG"):
+        import collections
+        import sys as _sys
+        print("blocks", _sys.getallocatedblocks(), "baseline blocks", baseline_blocks)
+        counts = collections.Counter(type(o).__name__ for o in gc.get_objects())
+        print("objects", sum(counts.values()), "baseline", baseline_objects)
+        print((counts - baseline_counts).most_common(15))
     srv.close()
 
     lost = [r is None for r in results].count(True)
