@@ -53,7 +53,8 @@ def eventually(fn, timeout: float = 5.0):
 @pytest.mark.timeout(60)
 def test_serve_metrics_reports_sessions_ops_bytes_memory_and_errors():
     p = subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", "--no-iroh", "--websocket",
-                          "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--token", "tok"],
+                          "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--token", "tok", "--memory-limit", "1GiB",
+                          "--session-memory", "64MiB"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         ws = url = None
@@ -91,6 +92,10 @@ def test_serve_metrics_reports_sessions_ops_bytes_memory_and_errors():
             assert value(f, "ember_sent_bytes", transport="websocket") > 8000
             assert value(f, "ember_memory_held_bytes", device="0", spec="cpu") >= 8000
             assert value(f, "ember_tensors_held", device="0", spec="cpu") >= 2
+            assert value(f, "ember_memory_budget_bytes", device="0", spec="cpu") == 1 << 30
+            assert 0 < value(f, "ember_memory_budget_used_ratio", device="0", spec="cpu") < 1e-3
+            assert 0 < value(f, "ember_session_memory_budget_used_ratio") < 1e-3
+            assert value(f, "ember_memory_refusals", device="0", spec="cpu") == 0
             assert value(f, "ember_op_duration_seconds", "ember_op_duration_seconds_count", kind="op") == 100  # the histogram's count
             assert value(f, "ember_uptime_seconds") > 0
             return f

@@ -106,11 +106,13 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None, address: str, note
         head.append(f"  ·  {note}", style="yellow")
 
     devs = Table(title="devices", title_justify="left", expand=False, box=None, pad_edge=False)
-    for col in ("#", "device", "name", "sessions", "tensors", "held", "memory"):
-        devs.add_column(col, justify="right" if col in ("sessions", "tensors", "held", "memory") else "left")
+    for col in ("#", "device", "name", "sessions", "tensors", "held", "budget", "memory"):
+        devs.add_column(col, justify="left" if col in ("#", "device", "name") else "right")
     for d in snap["devices"]:
+        budget = d.get("budget_bytes")
+        used = f"{_size(d.get('budget_held_bytes') or 0)} of {_size(budget)}" if budget else "—"
         devs.add_row(str(d["index"]), d["spec"], _short(d["name"], 28), str(d["sessions"]), f"{d['tensors']:,}",
-                     _size(d["bytes_held"]), _size(d["memory"]))
+                     _size(d["bytes_held"]), used, _size(d["memory"]))
 
     per_s = _rates(snap, prev)
     sess = Table(title="sessions", title_justify="left", box=None, pad_edge=False)

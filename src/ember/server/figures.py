@@ -6,7 +6,7 @@ once ``start(ops=True)`` (Prometheus) asked for op events too, it also aggregate
 kind, ops by name, execution-time and queue-wait histograms, batches and payload bytes.
 
 ``snapshot()`` adds what is state, read on demand: the live sessions with their counters and
-the memory they hold (the sum of their tensors' ``nbytes``, computed when asked, never per op),
+the memory they hold (what their memory budgets are charged, ``server.memory``, read when asked),
 and the same per device. STATS is answered by ``answer()``: scope ``session`` (one's own
 session; anyone may ask) or ``server`` (the whole peer; admin sessions only).
 """
@@ -237,10 +237,13 @@ class Figures:
     # ---- snapshots ---------------------------------------------------------------------
     def session_row(self, s: Any, now: float) -> dict[str, Any]:
         tensors, poisoned, nbytes = held(s.interp)
+        mem = s.mem.stats() if getattr(s, "mem", None) is not None else {}
         return {"id": s.label, "peer": s.peer_id, "remote": s.conn.remote, "transport": s.transport,
                 "device": s.device_index, "admin": s.admin, "age_s": now - s.opened, **counters(s),
                 "graphs_cached": len(s.interp.graphs), "tensors": tensors, "poisoned": poisoned,
-                "bytes_held": nbytes, "last_error": self.last_error.get(s.label)}
+                "bytes_held": mem.get("held", nbytes), "budget_bytes": mem.get("limit"),
+                "budget_peak_bytes": mem.get("peak"), "budget_refusals": mem.get("refusals", 0),
+                "last_error": self.last_error.get(s.label)}
 
     def _server_info(self) -> dict[str, Any]:
         srv = self.server
@@ -283,11 +286,16 @@ class Figures:
             by_transport[f"{r['transport']}/bytes_in"] += r["bytes_in"]
             by_transport[f"{r['transport']}/bytes_out"] += r["bytes_out"]
         devices = []
+        budgets = getattr(srv, "budgets", None)
         for i, b in enumerate(srv.backends):
             mine = [r for r in rows if r["device"] == i]
+            budget = budgets[i].stats() if budgets else {}
             devices.append({"index": i, "spec": b.spec, "kind": b.kind, "name": b.name, "memory": b.memory,
                             "sessions": len(mine), "tensors": sum(r["tensors"] for r in mine),
-                            "bytes_held": sum(r["bytes_held"] for r in mine)})
+                            "bytes_held": sum(r["bytes_held"] for r in mine),
+                            "budget": budget.get("budget"), "budget_bytes": budget.get("limit"),
+                            "budget_held_bytes": budget.get("held"), "budget_peak_bytes": budget.get("peak"),
+                            "budget_refusals": budget.get("refusals", 0)})
         plain = {k: v for k, v in totals.items() if "/" not in k}
         return {**base, "server": self._server_info(), "devices": devices, "sessions": rows,
                 "totals": {"sessions_open": len(rows), **plain, **extra, "bytes_by_transport": dict(by_transport),

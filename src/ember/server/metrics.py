@@ -108,6 +108,19 @@ def _collector(server: Any) -> Any:
             yield gauge("ember_session_memory_held_bytes", "Bytes of tensors one session holds",
                         ["session", "device"], [((r["id"][:8], str(r["device"])), r["bytes_held"])
                                                 for r in snap["sessions"]])
+            yield gauge("ember_memory_budget_bytes", "A device's memory budget (--memory-limit), shared by its "
+                        "sessions", ["device", "spec"], [(devs[d["index"]], d["budget_bytes"])
+                                                         for d in snap["devices"] if d.get("budget_bytes")])
+            yield gauge("ember_memory_budget_used_ratio", "Bytes charged to a device's budget over its limit",
+                        ["device", "spec"], [(devs[d["index"]], d["budget_held_bytes"] / d["budget_bytes"])
+                                             for d in snap["devices"] if d.get("budget_bytes")])
+            yield gauge("ember_session_memory_budget_used_ratio", "Bytes a session holds over its budget "
+                        "(--session-memory)", ["session", "device"],
+                        [((r["id"][:8], str(r["device"])), r["bytes_held"] / r["budget_bytes"])
+                         for r in snap["sessions"] if r.get("budget_bytes")])
+            yield counter("ember_memory_refusals", "Requests refused for memory (LimitExceeded), by device",
+                          ["device", "spec"], [(devs[d["index"]], d.get("budget_refusals", 0))
+                                               for d in snap["devices"]])
             yield counter("ember_telemetry_dropped_events", "Telemetry events dropped by slow subscribers", [],
                           [((), snap["telemetry"]["dropped"])])
 
