@@ -27,7 +27,7 @@ from .._version import __version__
 from ..errors import ProtocolError
 from ..protocol import messages as m
 from .telemetry import KINDS, SESSION_EVENTS, Batch, Error, SessionClosed, SessionOpened, Subscription, \
-    Transfer, consume, counters
+    Transfer, consume, counters, finish
 
 #: Upper bounds (seconds) of the execution-time and queue-wait histograms.
 BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
@@ -128,10 +128,7 @@ class Figures:
     def stop(self) -> None:
         """Handle what is still queued, then unsubscribe."""
         sub, self._sub = self._sub, None
-        if sub is not None:
-            for ev in sub.drain():
-                self.handle(ev)
-            sub.close()
+        finish(sub, self.handle)
 
     def handle(self, ev: Any) -> None:
         t = type(ev)

@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from .figures import _fields
-from .telemetry import Probe, SessionClosed, SessionOpened, SessionRefused, Subscription, consume
+from .telemetry import Probe, SessionClosed, SessionOpened, SessionRefused, Subscription, consume, finish
 
 log = logging.getLogger("ember.server.sessions")
 
@@ -65,10 +65,7 @@ class SessionLog:
     def stop(self) -> None:
         """Handle what is still queued, then unsubscribe."""
         sub, self._sub = self._sub, None
-        if sub is not None:
-            for ev in sub.drain():
-                self.handle(ev)
-            sub.close()
+        finish(sub, self.handle)
 
     def handle(self, ev: Any) -> None:
         if not log.isEnabledFor(logging.INFO):

@@ -213,6 +213,14 @@ def consume(sub: Subscription, handle: Callable[[Any], None], name: str, poll: f
     return t
 
 
+def finish(sub: Subscription | None, handle: Callable[[Any], None]) -> None:
+    """Handle what ``sub`` still has queued, then close it (a ``consume`` subscriber's stop)."""
+    if sub is not None:
+        for ev in sub.drain():
+            handle(ev)
+        sub.close()
+
+
 # ---- the probe ------------------------------------------------------------------------
 
 def transport_of(conn: Any) -> str:
