@@ -71,6 +71,8 @@ def test_session_and_op_events_with_timings(srv):
     assert all(e.session == opened.session for e in ops)
     batches = [e for e in evs if isinstance(e, t.Batch)]
     assert sum(b.messages for b in batches) == len(ops) and all(b.run_s >= 0 for b in batches)
+    assert max(b.memory for b in batches) >= 2 * 64  # x and y held: memory per session and device
+    assert all(b.device_memory >= b.memory for b in batches)
     closed = evs[-1]
     assert closed.session == opened.session and closed.duration_s > 0
     assert closed.figures["bytes_in"] > 64 and closed.figures["bytes_out"] > 64 and closed.why == "closed by the client"

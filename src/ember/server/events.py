@@ -113,6 +113,8 @@ class Batch(NamedTuple):
     times: bytes            # doubles, native byte order
     extras: tuple[tuple[Any, ...], ...]
     outputs: dict[int, list[tuple[int, tuple[int, ...], str]]] | None = None
+    memory: int = 0         # bytes the session holds after the batch (its memory budget's charge)
+    device_memory: int = 0  # bytes its device's budget holds, all sessions (slab credit included)
 
     @property
     def messages(self) -> int:

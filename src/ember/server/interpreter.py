@@ -236,7 +236,8 @@ class Interpreter(GraphReplay, Holdings):
         if out:
             self.respond(out)
         if rec is not None:
-            self.probe.batch(self.label, rec, received, inline)
+            mem = self.mem
+            self.probe.batch(self.label, rec, received, inline, mem.held(), mem.device.reserved())
 
     def _malformed(self, msg: list[Any], out: list[list[Any]], e: Exception) -> None:
         err = e if isinstance(e, ProtocolError) else ProtocolError(

@@ -360,12 +360,14 @@ class Probe:
         """A batch's recorder (the interpreter fills it while ``active``; see ``Interpreter.run_batch``)."""
         return Recorder(self.shapes)
 
-    def batch(self, session: str, rec: "Recorder", received: float, inline: bool) -> None:
+    def batch(self, session: str, rec: "Recorder", received: float, inline: bool, memory: int = 0,
+              device_memory: int = 0) -> None:
         """A batch ran: deliver it to the subscribers of op events."""
         end = rec.times[-1] if rec.times else rec.start
         # queued as a plain tuple, which the garbage collector stops tracking (a Batch is built on reading)
         ev = (time.time(), session, rec.start - received if received else 0.0, end - rec.start, inline,
-              rec.start, tuple(rec.names), rec.times.tobytes(), tuple(rec.extras), rec.outputs)
+              rec.start, tuple(rec.names), rec.times.tobytes(), tuple(rec.extras), rec.outputs, memory,
+              device_memory)
         for s in self.subscribers:
             if s.ops:
                 s.put(ev)
