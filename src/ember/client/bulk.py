@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import EmberError, LimitExceeded, ProtocolError
 from ..protocol import codec
 from ..protocol import messages as m
+from .lanes import StripedUpload
 
 
 class ReadTimeout(EmberError, TimeoutError):
@@ -82,6 +83,8 @@ class BulkData:
     _lock: threading.Lock
     _last_recv: float
     _wake: Any
+    _placed: dict[tuple[int, int], int]  # (request, offset) -> bytes the sink placed, not yet counted
+    _striping: Any  # (client/lanes.py)
 
     def _check_upload(self, arr: np.ndarray) -> None:
         """Refuse here what the peer announced it would refuse (nothing is sent)."""
@@ -121,9 +124,11 @@ class BulkData:
         w = Waiter()
         key = -tid  # a waiter (so a lost session wakes it) no answer will ever name
         self._waiters[key] = w
+        job: Any = StripedUpload(tid, dt, shape, flat, w) if self._striping(total) else \
+            Upload(codec.upload_frames(tid, dt, shape, flat, self.chunk), w)
         with self._lock:
             self._flush_locked()
-            self._frames.append(Upload(codec.upload_frames(tid, dt, shape, flat, self.chunk), w))
+            self._frames.append(job)
             self.stats["bytes_sent"] += total
         self.loop.call_soon_threadsafe(self._wake.set)
         try:
@@ -174,36 +179,50 @@ class BulkData:
             off, total = p[-3], p[-1]
         except (ProtocolError, ValueError, TypeError, IndexError):
             return None
+        if type(req) is not int or type(off) is not int or type(total) is not int or not 0 <= off <= total - n:
+            return None
         w = self._waiters.get(req)
-        if w is None or type(off) is not int or type(total) is not int or not 0 <= off <= total - n:
+        if w is None:
             return None
         if w.buf is None:
             w.buf = np.empty(total, np.uint8)
         elif len(w.buf) != total:
             return None
-        w.done += n
+        self._placed[(req, off)] = n  # counted once the bytes are in (``_data_frame``)
         return memoryview(w.buf)[off:off + n]
 
     def _data_frame(self, frame: Any) -> None:
-        """A chunk of a large read in a data frame (its payload placed by ``_sink``, or in the frame)."""
+        """A chunk of a large read in a data frame (its payload placed by ``_sink``, or in the frame),
+        from the session stream or a lane. The read is complete once its OK has come (on the
+        session stream, after the lanes' chunks were sent) and all its bytes are in."""
         (req, status, p), payload = codec.decode_data(frame)
         w = self._waiters.get(req)
         if w is None:
             return
+        if status not in (m.CHUNK, m.OK):
+            del self._waiters[req]
+            w.error = ProtocolError(f"unexpected status {status} in a data frame")
+            w.set()
+            return
+        off, total = p[-3], p[-1]
+        if type(off) is not int or type(total) is not int or total < 0:
+            raise ProtocolError(f"malformed data frame head from {self.address}: {str(p)[:80]}")
+        if w.buf is None:
+            w.buf = np.empty(total, np.uint8)
         if len(payload):
-            off, total = p[-3], p[-1]
-            if w.buf is None:
-                w.buf = np.empty(total, np.uint8)
+            if len(w.buf) != total or not 0 <= off <= total - len(payload):
+                raise ProtocolError(f"a chunk from {self.address} lies outside the array it answers")
             w.buf[off:off + len(payload)] = np.frombuffer(payload, np.uint8)
             w.done += len(payload)
-        if status == m.CHUNK:
-            return
-        del self._waiters[req]
-        if status == m.OK:
-            p[-2] = w.buf if w.buf is not None else np.empty(0, np.uint8)
-            w.value = p
         else:
-            w.error = ProtocolError(f"unexpected status {status} in a data frame")
+            w.done += self._placed.pop((req, off), 0)
+        if status == m.OK:
+            w.value = p
+        if w.value is None or w.done < total:
+            return  # (chunks on the lanes may still be arriving)
+        del self._waiters[req]
+        p = w.value
+        p[-2] = w.buf
         w.set()
 
 

@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 from ..errors import ConnectError, EmberError, SessionLost
 from ..protocol import messages as m
-from ..transport import SessionHandler, dial, uses_tls
+from ..protocol.lanes import DEFAULT_LANES, MAX_LANES
+from ..transport import SessionHandler, dial, is_iroh_address, uses_tls
 from .io import get_loop, run_sync
 from .session import ClientSession, open_session
 
@@ -37,7 +38,13 @@ class Device:
         self._read_timeout = read_timeout
         self._options = dict(session_options or {})
         # data_frames=False: offer no data frames (MessagePack chunks only; benchmarks compare the two)
-        self._features = None if self._options.pop("data_frames", True) else []
+        data_frames = self._options.pop("data_frames", True)
+        # lanes=N: stripe large uploads and reads over N more streams (protocol.lanes); default over iroh
+        lanes = self._options.pop("lanes", None)
+        self._lanes = int(lanes) if lanes is not None else (DEFAULT_LANES if is_iroh_address(address) else 0)
+        if not 0 <= self._lanes <= MAX_LANES:
+            raise ConnectError(f"lanes must be between 0 and {MAX_LANES}, got {lanes!r}")
+        self._features = [f for f in m.FEATURES if self._lanes or f != m.LANES_FEATURE] if data_frames else []
         self._ssl = tls
         self._lock = threading.Lock()
         self._session: ClientSession | None = None
@@ -58,7 +65,8 @@ class Device:
                 await conn.close()
                 raise
             return ClientSession(conn, welcome, loop, address=self.address, device=self.index,
-                                 read_timeout=self._read_timeout, **self._options)
+                                 read_timeout=self._read_timeout, lanes=self._lanes, session_id=sid,
+                                 dial_lane=lambda: _dial(self.address, self._timeout, self._ssl), **self._options)
 
         session = run_sync(go(), self._timeout + 1.0, f"connecting to {self.address}")
         log.debug("session %s with %s device %d opened%s", sid.hex()[:8], self.address[:40], self.index,

@@ -39,6 +39,7 @@ from ..protocol import codec
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
 from .bulk import BulkData, ReadTimeout, Upload, Waiter, size_text
+from .lanes import LaneData, StripedUpload
 from . import batch
 from .graph import Candidate, GraphTable, canon
 
@@ -46,14 +47,15 @@ _sessions: "weakref.WeakSet[ClientSession]" = weakref.WeakSet()
 _OP = m.OP
 
 
-class ClientSession(BulkData):
+class ClientSession(BulkData, LaneData):
     """One session with one device of one peer."""
 
     def __init__(self, conn: FrameConnection, welcome: dict[str, Any], loop: asyncio.AbstractEventLoop, *,
                  address: str, device: int, read_timeout: float = 300.0, idle_flush: float = 0.002,
                  max_batch: int = 512, heartbeat_interval: float = 1.0, heartbeat_timeout: float = 5.0,
                  graphs: bool = True, graph_min_ops: int = 8, graph_max_ops: int = 1024,
-                 graph_hold: float = 0.02, graph_min_period: int = 128) -> None:
+                 graph_hold: float = 0.02, graph_min_period: int = 128, lanes: int = 0,
+                 dial_lane: Any = None, session_id: bytes = b"") -> None:
         self.conn = conn
         self.welcome = welcome
         self.loop = loop
@@ -100,6 +102,8 @@ class ClientSession(BulkData):
         self._gtable = GraphTable(gcap)
         self._poisoned: dict[int, EmberError] = {}  # ids whose message could not be sent: why
         self.data = m.DATA_FEATURE in codec.agreed_features(welcome.get("features"))
+        self._placed: dict[tuple[int, int], int] = {}
+        self._init_lanes(welcome, lanes, dial_lane, session_id)  # (client/lanes.py)
         set_sink = getattr(conn, "set_data_sink", None)
         if self.data and set_sink is not None:
             set_sink(self._sink)
@@ -363,6 +367,8 @@ class ClientSession(BulkData):
         return w.value
 
     def read(self, tid: int, timeout: float | None = None, progress: Any = None, nbytes: int = 0) -> np.ndarray:
+        if self.lanes_wanted and nbytes:
+            self._striping(nbytes)  # the peer stripes the answer over the lanes once they are open
         dt, shape, off, data, total = self.request(m.READ, tid, timeout=timeout, progress=progress, nbytes=nbytes)
         self.stats["reads"] += 1
         if isinstance(data, np.ndarray):  # assembled from data frames
@@ -415,6 +421,9 @@ class ClientSession(BulkData):
                     if type(frame) is Upload:
                         await self._send_upload(frame)
                         continue
+                    if type(frame) is StripedUpload:
+                        await self._send_striped(frame)
+                        continue
                     await conn.send(frame)
                     if len(frame) >= 1 << 20:
                         # a big send completing is a sign of life: a long upload gets no answers, but
@@ -432,6 +441,7 @@ class ClientSession(BulkData):
                     await asyncio.wait_for(conn.close(), 2.0)
                 except Exception:
                     pass
+                await self._close_lanes()
                 for t in self._tasks[0], self._tasks[2]:  # receiver, heartbeat
                     t.cancel()
 

@@ -71,6 +71,23 @@ carries ``features`` and the source answers in kind. A peer that knows no featur
 expects only MessagePack frames, so old and new peers still talk (protocol version 1 either
 way). Small tensors (at most ``INLINE_DATA`` bytes) keep riding inside batches.
 
+Lanes (feature ``"lanes"``, with ``"data"``; docs/protocol.md, "Lanes"; ``protocol.lanes``). The
+Welcome carries ``lanes: {key, max, min_bytes}``; the client may open up to ``max`` more streams
+to the peer, each starting with ``{type: "lane", session_id, key}`` (answered ``{type: "lane"}``
+or ``{type: "denied", reason}``), and stripe uploads and read answers of at least ``min_bytes``
+over them as data frames (chunk-aligned, each chunk once). The session stream keeps the order::
+
+    client -> server   [UPLOAD, id, dtype, shape, 0, nil, total]        in a batch: the bytes come
+                                                                        on lanes; run once all arrived
+    lanes              [UPLOAD, id, dtype, shape, offset, nil, total]   its chunks, any lane
+    lanes              [req, CHUNK, [offset, nil, total]]               a striped read's chunks
+    server -> client   [req, OK, [dtype, shape, total, nil, total]]     its end, no payload: complete
+                                                                        once all total bytes arrived
+
+A download between peers asks for ``lanes`` in its request; the source answers ``lanes``,
+``lane_key`` and ``chunk``, and stripe ``i`` of ``protocol.lanes.stripe_bounds`` arrives on extra
+transfer stream ``i`` (opened with ``{type: "transfer_lane", key, index}``; stripe 0 on the first).
+
 Graphs (op-graph caching). A GRAPH body is a register program: registers
 ``0..n_in-1`` are the REPLAY's input tensors, the next ``len(scalars)`` are
 scalars (defaults from the GRAPH, overridden per REPLAY by the flat list
@@ -122,8 +139,10 @@ MAX_DATA_HEAD = 4096
 #: Tensors up to this many bytes travel inside a batch (MessagePack ``bin``), larger ones in data frames.
 INLINE_DATA = 64 * 1024
 #: Optional wire features this version speaks, negotiated in Hello / Welcome.
-FEATURES = ("data",)
+FEATURES = ("data", "lanes")
 DATA_FEATURE = "data"
+#: Several streams per large transfer (``protocol.lanes``); only with ``"data"``.
+LANES_FEATURE = "lanes"
 
 # Slice / None / Ellipsis inside an index key (see encode_key in codec).
 KEY_SLICE, KEY_NONE, KEY_ELLIPSIS, KEY_ARRAY = "s", "n", "e", "a"

@@ -120,6 +120,7 @@ class Interpreter(GraphReplay, Holdings):
         self.on_stall: Callable[[], None] | None = None  # the session arms its stall deadline
         self.on_fatal: Callable[..., None] | None = None  # the session ends itself on a session-level error
         self.fatal: tuple[ProtocolError, bool] | None = None  # such an error, pending the batch's end
+        self.on_clear: Callable[[], None] | None = None  # the session frees what it holds for this one (lanes)
         self.data_frames = False  # the client speaks data frames (read answers go out in them)
         self.handlers: tuple[Callable[[list[Any], list[list[Any]]], None] | None, ...] = (
             self.op, self.upload, self.drop, self.read, self.sync, self.custom, self.close, self.sync,
@@ -180,8 +181,8 @@ class Interpreter(GraphReplay, Holdings):
                 v = t.get(msg[2]) if len(msg) == 3 and type(msg[2]) is int else None
                 if v is not None and v.nbytes > INLINE_MAX_BYTES:
                     return False
-            elif kind == m.UPLOAD:
-                if len(msg) != 7 or type(msg[6]) is not int or msg[6] > INLINE_MAX_BYTES:
+            elif kind == m.UPLOAD:  # (nil bytes: they come on lanes, and the worker waits for them)
+                if len(msg) != 7 or type(msg[6]) is not int or msg[6] > INLINE_MAX_BYTES or msg[5] is None:
                     return False
             elif kind != m.SYNC and kind != m.DROP:
                 return False
@@ -527,5 +528,7 @@ class Interpreter(GraphReplay, Holdings):
         self.poison.clear()
         for tid in list(self._uploads):
             self._cancel_upload(tid)
+        if self.on_clear is not None:
+            self.on_clear()
         self.graphs.clear()
         self._stalled = None

@@ -337,6 +337,26 @@ class SessionMemory:
             self._shared += nbytes
             self.device._held += nbytes
 
+    def shared_reserve(self, nbytes: int, what: Any = "this request") -> None:
+        """``shared_charge`` that refuses like :meth:`charge` (LimitExceeded, nothing charged) past
+        the session's or the device's budget: for buffers another thread fills (uploads on lanes)."""
+        n = int(nbytes)
+        dev = self.device
+        with dev.lock:
+            if self.closed:
+                raise LimitExceeded(f"{_text(what)}: this session has ended")
+            if self.limit is not None and self._held + self._shared + n > self.limit:
+                self.refusals += 1
+                raise LimitExceeded(self._refusal(n, what, session=True), hint=self._hint(session=True))
+            if dev.limit is not None and dev._held + n > dev.limit:
+                self.refusals += 1
+                dev.refusals += 1
+                raise LimitExceeded(self._refusal(n, what, session=False), hint=self._hint(session=False))
+            self._shared += n
+            dev._held += n
+            self.peak = max(self.peak, self._held + self._shared)
+            dev.peak = max(dev.peak, dev._held)
+
     def shared_release(self, nbytes: int) -> None:
         with self.device.lock:
             if self.closed:

@@ -36,9 +36,11 @@ import numpy as np
 
 from ..errors import AuthorizationError, EmberError, LimitExceeded, ProtocolError, to_wire
 from ..protocol import codec
+from ..protocol import lanes as pl
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
 from .interpreter import Interpreter, Placed
+from .lanes import SessionLanes, StripedRead, serve_transfer_lane
 from .backends import Backend
 from .limits import Admission, ClientLimits, client_identity
 from .memory import DeviceMemory, give_back_freed
@@ -133,7 +135,10 @@ class Session:
         self.interp.enable_transfers(self.transfer_ops)
         self.features = codec.agreed_features(hello.get("features"))
         self.data = m.DATA_FEATURE in self.features
+        if not self.data and m.LANES_FEATURE in self.features:  # lanes carry data frames
+            self.features.remove(m.LANES_FEATURE)
         self.interp.data_frames = self.data
+        self.lanes = SessionLanes(self, self._lane_failed) if m.LANES_FEATURE in self.features else None
         self._placed: dict[tuple[int, int], int] = {}  # (upload id, offset) -> bytes the sink put in place
         set_sink = getattr(conn, "set_data_sink", None)
         if self.data and set_sink is not None:
@@ -141,6 +146,9 @@ class Session:
         self.interp.probe, self.interp.label = server.telemetry, self.label
         handlers = list(self.interp.handlers)
         handlers[m.STATS] = self.stats  # (the pump answers a lone STATS itself)
+        if self.lanes is not None:
+            handlers[m.UPLOAD] = self._upload
+            self.interp.on_clear = self.lanes.clear
         self.interp.handlers = tuple(handlers)
         self.worker = threading.Thread(target=self._work, name=f"ember-session-{self.session_id.hex()[:8]}",
                                        daemon=True)
@@ -160,7 +168,10 @@ class Session:
         else:
             req, _, (dt, shape, _, _, _) = responses[0]
             n = held
-            frame = (codec.read_frames(req, dt, shape, data, self.server.limits["chunk"]), n)
+            if self.lanes is not None and self.lanes.stripes_for(len(data)):  # several streams side by side
+                frame = (StripedRead(req, dt, shape, data), n)
+            else:
+                frame = (codec.read_frames(req, dt, shape, data, self.server.limits["chunk"]), n)
         if threading.get_ident() == self._loop_thread:
             self.post(frame, n)
             return
@@ -205,6 +216,19 @@ class Session:
         self.server.live.discard(self)
         if self.mem.peak >= 1 << 20 or not self.server.live:
             give_back_freed(force=not self.server.live)
+
+    def _upload(self, msg: list[Any], out: list[list[Any]]) -> None:
+        """UPLOAD with lanes agreed: nil bytes mean they come on the lanes (``server.lanes``)."""
+        if len(msg) == 7 and msg[5] is None:
+            assert self.lanes is not None
+            self.lanes.finish(msg, out)
+        else:
+            self.interp.upload(msg, out)
+
+    def _lane_failed(self, err: EmberError) -> None:
+        """On the loop: a lane broke, or brought what it must not; the session ends."""
+        if self.alive:
+            asyncio.ensure_future(end_session(self, err))
 
     def stats(self, msg: list[Any], out: list[list[Any]]) -> None:
         """STATS (in a batch, in order; alone, the pump answers it at once): figures, see server/figures.py."""
@@ -258,6 +282,8 @@ class Session:
     def stop(self) -> None:
         self.alive = False
         self.inbox.put(None)
+        if self.lanes is not None:
+            self.lanes.stop()
         with self._cond:
             self._cond.notify_all()
 
@@ -336,6 +362,9 @@ async def _send_marked(session: Session, frame: Any) -> None:
         if isinstance(frame, bytes):
             session.bytes_out += len(frame)
             await session.conn.send(frame)
+        elif type(frame) is StripedRead:
+            assert session.lanes is not None
+            await session.lanes.send_read(frame)
         else:
             for parts in frame:
                 session.bytes_out += len(parts[0]) + len(parts[1])
@@ -424,9 +453,14 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
         first = await asyncio.wait_for(conn.recv(), limits.handshake_timeout)
         if first is None:
             return
-        request = _transfer_request(first)
-        if request is not None:
+        request = _first_map(first)
+        if request is not None and request.get("type") == "transfer":
             await serve_transfer(server.transfers, conn, request, server.limits["chunk"], server.telemetry)
+            await _close_quietly(conn)
+            return
+        lane = pl.decode_first(request)
+        if lane is not None:
+            await _serve_lane(server, conn, lane)
             await _close_quietly(conn)
             return
         hello = await _handshake(server, conn, first, identity)
@@ -452,7 +486,8 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
         await conn.send(codec.encode_welcome(
             peer_id=server.peer_id, devices=server.device_info(), device=session.device_index,
             limits=server.welcome_limits(session.device_index), server_version=server.version,
-            instance=server.instance, transfer_id=server.transfer_peer_id, features=session.features))
+            instance=server.instance, transfer_id=server.transfer_peer_id, features=session.features,
+            **({"lanes": session.lanes.welcome()} if session.lanes is not None else {})))
         await _pump(server, session)
     except (ConnectionError, OSError, asyncio.IncompleteReadError) as e:
         log.info("session %s lost: %s", session.session_id.hex()[:8], e)
@@ -468,6 +503,8 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
         except Exception:
             sender.cancel()
         await _close_quietly(conn)
+        if session.lanes is not None:
+            await session.lanes.close()
         if server.telemetry.stopping and reason != "client_closed":
             reason, why = "server_stopping", "the peer shut down"
         server.telemetry.session_closed(session, reason, why)
@@ -537,13 +574,32 @@ async def _wait_for_worker(session: Session) -> None:
             last = time.monotonic()
 
 
-def _transfer_request(first: bytes) -> dict[str, Any] | None:
-    """The first frame of a transfer stream, or None for anything else (a Hello, or garbage)."""
+def _first_map(first: bytes) -> dict[str, Any] | None:
+    """The first frame of a stream as a map with a ``type`` (a transfer request, a lane's attach), or
+    None for anything else (a Hello is judged by the handshake, garbage too)."""
     try:
         d = codec.unpackb(first, max_frame=1 << 16)
     except ProtocolError:
         return None
-    return d if isinstance(d, dict) and d.get("type") == "transfer" else None
+    return d if isinstance(d, dict) and d.get("type") in ("transfer", "lane", "transfer_lane") else None
+
+
+async def _serve_lane(server: SessionHost, conn: FrameConnection, lane: tuple[str, bytes, Any]) -> None:
+    """A stream that asks to be a lane: of a session (attached if its key and peer are right), or of
+    a download (stripe ``index``)."""
+    kind, first, second = lane
+    if kind == "transfer_lane":
+        await serve_transfer_lane(server.transfers.lanes, conn, first, second)
+        return
+    session = server.sessions.get(first)
+    reason = "no session with lanes by that id on this peer" if session is None or session.lanes is None \
+        else session.lanes.refusal(conn, second)
+    if reason is not None:
+        log.info("lane from %s refused: %s", conn.peer_id or conn.remote, reason)
+        await conn.send(codec.packb({"type": "denied", "reason": reason}))
+        return
+    assert session is not None and session.lanes is not None
+    await session.lanes.serve(conn)
 
 
 async def _close_quietly(conn: FrameConnection) -> None:

@@ -26,9 +26,12 @@ import numpy as np
 
 from ..errors import EmberError, LimitExceeded, ProtocolError, TransferError
 from ..protocol import codec
+from ..protocol import lanes as pl
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
+from ..transport.loop import all_or_nothing
 from .backends import Backend
+from .lanes import TransferLanes
 from .replay import Poison
 from .telemetry import OFF
 
@@ -78,6 +81,7 @@ class TransferHub:
         self.per_session = per_session
         self._cond = threading.Condition()
         self._exposed: dict[bytes, Exposed] = {}
+        self.lanes = TransferLanes()  # downloads striped over several streams (the network loop's)
         self._announced: dict[bytes, float] = {}
         self._local: dict[bytes, Exposed] = {}
         self._owned: dict[Any, int] = {}
@@ -255,12 +259,31 @@ async def serve_transfer(hub: TransferHub, conn: FrameConnection, request: dict[
         await conn.send(codec.packb({"type": "denied", "reason": e.message}))
         return
     flat = memoryview(host.reshape(-1).view(np.uint8))
-    data = m.DATA_FEATURE in codec.agreed_features(request.get("features"))
+    features = codec.agreed_features(request.get("features"))
+    data = m.DATA_FEATURE in features
+    wanted = request.get("lanes")
+    striped = None
+    if data and m.LANES_FEATURE in features and type(wanted) is int and 1 < wanted <= pl.MAX_LANES \
+            and len(flat) >= pl.STRIPE_MIN:  # several streams side by side, stripe i on lane i
+        striped = hub.lanes.offer(flat, conn.peer_id, wanted, chunk)
     probe.transfer(None, who, "serve", "started", len(flat))
     try:
-        await conn.send(codec.packb({"type": "ok", "dtype": host.dtype.name, "shape": list(host.shape),
-                                     "total": len(flat), "features": [m.DATA_FEATURE] if data else []}))
-        if data:  # data frames: the target can read each chunk straight into place
+        hdr = {"type": "ok", "dtype": host.dtype.name, "shape": list(host.shape), "total": len(flat),
+               "features": [m.DATA_FEATURE] + ([m.LANES_FEATURE] if striped else []) if data else []}
+        if striped is not None:
+            hdr.update(lanes=len(striped[1].bounds), lane_key=striped[0], chunk=chunk)
+        await conn.send(codec.packb(hdr))
+        if striped is not None:  # stripe 0 here, the others on the lanes the target opens
+            key, offer = striped
+            try:
+                for parts in pl.transfer_stripe(flat, *offer.bounds[0], chunk):
+                    await conn.send(parts)
+                await asyncio.wait_for(offer.done.wait(), max(1.0, offer.expires - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise ConnectionError("the downloader did not open its transfer lanes") from None
+            finally:
+                hub.lanes.withdraw(key)
+        elif data:  # data frames: the target can read each chunk straight into place
             for parts in codec.chunk_frames(flat, chunk):
                 await conn.send(parts)
         else:  # a target that speaks no data frames: raw chunks
@@ -286,9 +309,10 @@ async def download(address: str, cap: bytes, *, timeout: float, max_frame: int,
         conn = await dial(address, timeout=timeout, max_frame=max_frame, kind="transfer")
     except Exception as e:
         raise TransferError(f"cannot reach the source peer {address}: {getattr(e, 'message', e)}") from None
+    lanes = pl.TRANSFER_LANES if _is_iroh(address) else 1
     try:
         await conn.send(codec.packb({"type": "transfer", "protocol": m.PROTOCOL_VERSION, "capability": cap,
-                                     "wait": timeout, "features": list(m.FEATURES)}))
+                                     "wait": timeout, "features": list(m.FEATURES), "lanes": lanes}))
         hdr = codec.unpackb(await _recv(conn, timeout + UNANNOUNCED_WAIT + 5.0))
         if not isinstance(hdr, dict) or hdr.get("type") != "ok":
             reason = hdr.get("reason", "no reason given") if isinstance(hdr, dict) else "malformed answer"
@@ -298,7 +322,10 @@ async def download(address: str, cap: bytes, *, timeout: float, max_frame: int,
             reserve(total)
         buf = np.empty(total, np.uint8)
         view = memoryview(buf)
-        if m.DATA_FEATURE in codec.agreed_features(hdr.get("features")):
+        agreed = codec.agreed_features(hdr.get("features"))
+        if m.LANES_FEATURE in agreed and m.DATA_FEATURE in agreed and lanes > 1:
+            await _receive_striped(address, conn, hdr, view, timeout, max_frame)
+        elif m.DATA_FEATURE in agreed:
             await _receive_data(conn, view, timeout)
         else:
             got = 0
@@ -330,19 +357,60 @@ def _checked_header(hdr: dict[str, Any], dtypes: Any) -> tuple[int, str, list[in
     return total, dtype, shape
 
 
-async def _receive_data(conn: FrameConnection, view: memoryview, timeout: float) -> None:
-    """Data frames ``[offset, nil, total]`` into ``view``, in order; straight into place where the
-    transport has a data sink."""
-    total, got = len(view), 0
+def _is_iroh(address: str) -> bool:
+    from ..transport import is_iroh_address
+    return is_iroh_address(address)
+
+
+async def _receive_striped(address: str, conn: FrameConnection, hdr: dict[str, Any], view: memoryview,
+                           timeout: float, max_frame: int) -> None:
+    """A download striped over ``hdr["lanes"]`` streams: stripe 0 on ``conn``, stripe i on an extra
+    transfer stream opened here (``protocol.lanes``), all side by side, each in order."""
+    from ..transport import dial
+    k, key, chunk = hdr.get("lanes"), hdr.get("lane_key"), hdr.get("chunk")
+    if type(k) is not int or not 1 <= k <= pl.MAX_LANES or not isinstance(key, bytes) or len(key) != 32 \
+            or type(chunk) is not int or chunk <= 0 or len(pl.stripe_bounds(len(view), chunk, k)) != k:
+        raise TransferError(f"the source peer sent a malformed striped header: {str(hdr)[:120]}")
+    bounds = pl.stripe_bounds(len(view), chunk, k)
+
+    async def lane(i: int) -> None:
+        try:
+            c = await dial(address, timeout=timeout, max_frame=max_frame, kind="transfer")
+        except Exception as e:
+            raise TransferError(f"cannot open transfer lane {i} to {address}: {getattr(e, 'message', e)}") from None
+        try:
+            await c.send(pl.encode_transfer_lane(key, i))
+            ok = codec.unpackb(await _recv(c, timeout))
+            if not isinstance(ok, dict) or ok.get("type") != "ok":
+                reason = ok.get("reason", "no reason given") if isinstance(ok, dict) else "malformed answer"
+                raise TransferError(f"the source peer refused transfer lane {i}: {reason}")
+            await _receive_data(c, view, timeout, *bounds[i])
+        finally:
+            try:
+                await asyncio.wait_for(c.close(), 2.0)
+            except Exception:
+                pass
+    await all_or_nothing([_receive_data(conn, view, timeout, *bounds[0]), *(lane(i) for i in range(1, k))])
+
+
+async def _receive_data(conn: FrameConnection, view: memoryview, timeout: float, lo: int = 0,
+                        hi: int | None = None) -> None:
+    """Data frames ``[offset, nil, total]`` covering ``view[lo:hi]``, in order; straight into place
+    where the transport has a data sink."""
+    total = len(view)
+    hi = total if hi is None else hi
+    got = lo
     placed: dict[int, int] = {}
+    expect = [lo]  # where the sink expects the next chunk
 
     def sink(head: memoryview, n: int) -> memoryview | None:
         try:
             off, _, tot = codec.decode_data_head(head)
         except (ProtocolError, ValueError):
             return None
-        if type(off) is not int or tot != total or not 0 <= off <= total - n:
+        if type(off) is not int or tot != total or off != expect[0] or not n or off + n > hi:
             return None
+        expect[0] += n
         placed[off] = n
         return view[off:off + n]
 
@@ -350,18 +418,19 @@ async def _receive_data(conn: FrameConnection, view: memoryview, timeout: float)
     if set_sink is not None:
         set_sink(sink)
     try:
-        while got < total:
+        while got < hi:
             frame = await _recv(conn, timeout)
             try:
                 (off, _, _), payload = codec.decode_data(frame)
             except (ProtocolError, ValueError):
                 raise TransferError("the source peer sent a malformed chunk") from None
-            n = placed.pop(off, None) if not len(payload) else None
+            n = placed.pop(off, None) if not len(payload) and type(off) is int else None
             if n is None:
                 n = len(payload)
-                if type(off) is not int or not 0 <= off <= total - n:
+                if type(off) is not int or not lo <= off <= hi - n:
                     raise TransferError("the source peer sent a chunk outside the tensor")
                 view[off:off + n] = payload
+                expect[0] = off + n
             if off != got or not n:
                 raise TransferError("the source peer sent chunks out of order")
             got += n

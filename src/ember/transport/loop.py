@@ -37,3 +37,17 @@ def install_uvloop() -> bool:
 def loop_name(loop: asyncio.AbstractEventLoop | None = None) -> str:
     loop = loop or asyncio.get_event_loop()
     return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
+async def all_or_nothing(coros: Any) -> None:
+    """Run ``coros`` side by side (several streams of one transfer); the first failure cancels the
+    others and is raised once they have stopped."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
