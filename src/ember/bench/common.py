@@ -29,8 +29,8 @@ TARGETS: dict[str, dict[str, tuple[str, float]]] = {
 RATIO_TARGETS: list[tuple[str, str, str, str, float]] = [
     *[(f"{d}_{s}_MBps", "tcp", b, ">=", v) for s in ("16MiB", "256MiB") for d in ("upload", "download")
       for b, v in (("rpc_uv", 1.0), ("rpc", 1.0), ("raw_tcp", 0.5))],
-    *[(f"{d}_{s}_MBps", "iroh", "iroh_frames", ">=", 0.8) for s in ("16MiB", "256MiB")
-      for d in ("upload", "download")],
+    *[(f"{d}_{s}_MBps", "iroh", base, ">=", 0.8) for s in ("16MiB", "256MiB")
+      for d in ("upload", "download") for base in ("iroh_frames", "iroh_frames_n")],
     ("latency_p50_us", "websocket", "rpc_uv", "<=", 0.5), ("latency_p50_us", "websocket", "rpc", "<=", 0.5),
     ("latency_p50_us", "iroh", "rpc_uv", "<=", 1.0), ("latency_p50_us", "iroh", "rpc", "<=", 1.0),
 ]

@@ -206,12 +206,15 @@ def ws_echo_latency(url: str, n: int) -> list[float]:
     return asyncio.run(go())
 
 
-def iroh_frames(ticket: str, n: int, sizes: tuple[int, ...]) -> dict[str, Any]:
-    """Round trips of a 32-byte frame and bulk frames over one raw iroh stream (no Ember session)."""
+def iroh_frames(ticket: str, n: int, sizes: tuple[int, ...], streams: int = 1) -> dict[str, Any]:
+    """Round trips of a 32-byte frame and bulk frames over raw iroh streams (no Ember session): one
+    stream, or ``streams`` bi-streams of the same QUIC connection, each moving its contiguous part of
+    the bytes side by side (what Ember's lanes do, without a session)."""
     from ..transport.iroh import close_client, dial
 
     async def go() -> dict[str, Any]:
-        conn = await dial(ticket, timeout=30.0)
+        conns = [await dial(ticket, timeout=30.0) for _ in range(streams)]
+        conn = conns[0]
         try:
             msg = b"E" + b"x" * 31
             lat = []
@@ -223,25 +226,33 @@ def iroh_frames(ticket: str, n: int, sizes: tuple[int, ...]) -> dict[str, Any]:
             out: dict[str, Any] = {"lat": lat[-n:]}
             for size in sizes:
                 data = memoryview(bytes(size))
+                parts = [(size * i // streams, size * (i + 1) // streams) for i in range(streams)]
+
+                async def up(c: Any, lo: int, hi: int) -> None:
+                    await c.send(b"U" + (hi - lo).to_bytes(8, "little"))
+                    for off in range(lo, hi, MiB):
+                        await c.send(data[off:min(hi, off + MiB)])
+                    await c.recv()
+
+                async def down(c: Any, lo: int, hi: int) -> None:
+                    await c.send(b"D" + (hi - lo).to_bytes(8, "little"))
+                    got = 0
+                    while got < hi - lo:
+                        f = await c.recv()
+                        if f is None:
+                            raise ConnectionError("baseline server closed")
+                        got += len(f)
                 t0 = time.perf_counter()
-                await conn.send(b"U" + size.to_bytes(8, "little"))
-                for off in range(0, size, MiB):
-                    await conn.send(data[off:off + MiB])
-                await conn.recv()
+                await asyncio.gather(*(up(c, lo, hi) for c, (lo, hi) in zip(conns, parts)))
                 t_up = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                await conn.send(b"D" + size.to_bytes(8, "little"))
-                got = 0
-                while got < size:
-                    f = await conn.recv()
-                    if f is None:
-                        raise ConnectionError("baseline server closed")
-                    got += len(f)
+                await asyncio.gather(*(down(c, lo, hi) for c, (lo, hi) in zip(conns, parts)))
                 t_down = time.perf_counter() - t0
                 out[size] = (size / t_up / 1e6, size / t_down / 1e6)
             return out
         finally:
-            await conn.close()
+            for c in conns:
+                await c.close()
             await close_client()
     return asyncio.run(go())
 

@@ -33,7 +33,8 @@ _ROWS = [
                                               ("torch", "slow link: 50-step ember.torch MLP"))
       for u, unit, fmt in (("s", "s", "{:,.3f}"), ("ratio", "torch.rpc / Ember", "{:,.1f}"))],
 ]
-_BASE_COLS = ("numpy", "raw_tcp", "ws_echo", "iroh_frames", "thread_hop", "rpc", "rpc_uv", "rpc_model", "rpyc")
+_BASE_COLS = ("numpy", "raw_tcp", "ws_echo", "iroh_frames", "iroh_frames_n", "thread_hop", "rpc", "rpc_uv",
+              "rpc_model", "rpyc")
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -67,6 +68,7 @@ def format_table(report: dict[str, Any]) -> str:
                if pin else f"medians of {m['repeat']} runs; not pinned ({m['cpus']} CPUs)")
     out.append("baselines: numpy = the chain in local NumPy; raw_tcp = raw asyncio TCP between the two processes; ws_echo = websockets echo; "
                "iroh_frames = raw frames on one iroh stream (Ember's transport, no session); "
+               "iroh_frames_n = the same bytes split over as many streams of one connection as Ember's lanes; "
                "thread_hop = asyncio call_soon_threadsafe round trip; rpyc = rpyc driving remote NumPy, one call per op; "
                "rpc = torch.distributed.rpc (TensorPipe, its own choice of transport: shared memory on one host), "
                "rpc_uv = the same over TensorPipe's TCP transport; rpc_model = rpc_uv on loopback + one RTT per call")
@@ -103,7 +105,7 @@ def write_chart(report: dict[str, Any], path: str) -> str | None:
         axes[0].bar(cols, [figs["pipelined_ops_s"][c]["median"] for c in cols], color="#d2691e")
         axes[0].set_yscale("log")
         axes[0].set_title("pipelined small ops (ops/s, log)")
-    bcols = [c for c in TRANSPORTS + ("raw_tcp", "iroh_frames") if any(c in figs[k] for k in bw_keys)]
+    bcols = [c for c in TRANSPORTS + ("raw_tcp", "iroh_frames", "iroh_frames_n") if any(c in figs[k] for k in bw_keys)]
     width = 0.8 / max(1, len(bcols))
     for i, c in enumerate(bcols):
         xs = [j + i * width for j in range(len(bw_keys))]

@@ -138,7 +138,7 @@ async def _frames_baseline(conn: Any) -> None:
                     payload = bytes(n)
                 mv = memoryview(payload)
                 for off in range(0, n, MiB):
-                    await conn.send(mv[off:off + MiB])
+                    await conn.send(mv[off:min(n, off + MiB)])
     except Exception:  # noqa: BLE001 - the client went away
         return
     finally:

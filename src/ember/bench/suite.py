@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..protocol.lanes import DEFAULT_LANES
 from .common import MiB, RATIO_TARGETS, TARGETS, Config, _entry, _median, _pct
 from .figures import (ember_bandwidth, ember_graph_steps, ember_latency, ember_pipelined, iroh_frames,
                       numpy_pipelined, rpyc_calls, tcp_bandwidth, tcp_latency, thread_hop_latency, ws_echo_latency)
@@ -164,6 +165,8 @@ class Suite:
                     put(col, res["up"], res["down"])
                 if info.get("iroh_frames") and "iroh" in devs:
                     put("iroh_frames", *iroh_frames(info["iroh_frames"], 1, (size,))[size])
+                    lanes = len(devs["iroh"].session.lanes) or DEFAULT_LANES  # as many streams as Ember's lanes
+                    put("iroh_frames_n", *iroh_frames(info["iroh_frames"], 1, (size,), lanes)[size])
 
     def _graphs(self, devs: dict[str, Any], info: dict[str, Any]) -> None:
         cfg = self.cfg
