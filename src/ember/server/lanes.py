@@ -135,6 +135,14 @@ class SessionLanes:
             h = codec.decode_data_head(head)
         except ProtocolError:
             return None
+        view = self._place(h, n)
+        if view is not None:
+            self._placed[(h[1], h[4])] = n
+        return view
+
+    def _place(self, h: list[Any], n: int) -> memoryview | None:
+        """Where the ``n`` bytes of the upload chunk with head ``h`` go (None: refused, or of a
+        refused upload); marks the chunk as arrived."""
         if len(h) != 7 or h[0] != m.UPLOAD or h[5] is not None or type(h[1]) is not int:
             return None
         _, tid, dtype, shape, off, _, total = h
@@ -149,7 +157,6 @@ class SessionLanes:
             return None
         if not a.coverage.expect(off, n):
             return None
-        self._placed[(tid, off)] = n
         return memoryview(a.buf)[off:off + n]
 
     def _begin(self, tid: int, dtype: Any, shape: Any, total: Any) -> Assembly | None:
@@ -183,9 +190,15 @@ class SessionLanes:
         if len(head) != 7 or head[0] != m.UPLOAD or head[5] is not None:
             raise ProtocolError(f"a lane carries upload chunks only, got {safe_repr(head)}")
         tid, off = head[1], head[4]
-        n = self._placed.pop((tid, off), None) if not len(payload) and type(tid) is int \
-            and type(off) is int else None
-        s.bytes_in += len(frame) + (n or 0)
+        if len(payload):  # a transport without a data sink (WebSocket): the chunk came whole
+            view = self._place(head, len(payload))
+            n = None if view is None else len(payload)
+            if view is not None:
+                view[:] = payload
+            s.bytes_in += len(frame)
+        else:
+            n = self._placed.pop((tid, off), None) if type(tid) is int and type(off) is int else None
+            s.bytes_in += len(frame) + (n or 0)
         if n is None:
             if type(tid) is int and tid in self.refused:
                 return  # a chunk of an upload refused with a reason (its UPLOAD poisons the id)
