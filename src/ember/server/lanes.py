@@ -352,6 +352,8 @@ class TransferLanes:
 
     def __init__(self) -> None:
         self.offers: dict[bytes, Offer] = {}
+        self.striped = 0  # downloads offered over several streams
+        self.served = 0  # extra transfer streams that got their stripe
 
     def offer(self, flat: memoryview, peer_id: str | None, lanes: int, chunk: int) -> tuple[bytes, Offer] | None:
         """Stripe a download over ``lanes`` streams (None: one stream will do, or too many wait)."""
@@ -363,6 +365,7 @@ class TransferLanes:
             return None
         key = os.urandom(32)
         o = self.offers[key] = Offer(flat, peer_id, bounds, chunk, now + self.TTL, left=len(bounds) - 1)
+        self.striped += 1
         return key, o
 
     def take(self, key: bytes, index: int, peer_id: str | None) -> Offer:
@@ -392,6 +395,7 @@ async def serve_transfer_lane(lanes: TransferLanes, conn: Any, key: bytes, index
         lo, hi = o.bounds[index]
         for parts in transfer_stripe(o.flat, lo, hi, o.chunk):
             await conn.send(parts)
+        lanes.served += 1
     finally:
         o.finished_one()
 
