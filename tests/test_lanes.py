@@ -25,6 +25,7 @@ from ember.protocol import codec
 from ember.protocol import lanes as pl
 from ember.protocol import messages as m
 from ember.server import Server
+from ember.server.lanes import MAX_REFUSED
 from ember.transport import dial
 
 from test_memory_budgets import wait_until
@@ -288,6 +289,34 @@ def test_a_striped_upload_over_the_session_budget_is_refused_and_the_session_car
         srv.close()
 
 
+@pytest.mark.timeout(120)
+def test_refused_striped_uploads_leave_nothing_behind_and_never_end_the_session():
+    """Regression: chunks of a refused upload that came after its UPLOAD ran began it anew (another
+    refusal), and its id stayed among the refused until, after MAX_REFUSED of them, the session ended."""
+    srv = Server(["cpu"], session_memory="12MiB")
+    srv.listen_iroh(offline=True, bind=LOOPBACK)
+    srv.start_in_thread()
+    try:
+        dev = ember.connect(_ticket(srv), lanes=4)
+        x = xp.asarray(np.ones(4 * MiB // 8), device=dev)
+        s = _server_session(srv, dev)
+        big = np.ones(10 * MiB // 8)
+        n = MAX_REFUSED + 2
+        for i in range(n):
+            y = xp.asarray(big, device=dev)
+            with pytest.raises(LimitExceeded):
+                y.to_numpy()
+            del y
+        assert s.alive and dev.session._session_id in srv.sessions
+        assert wait_until(lambda: not s.lanes.refused and not s.lanes.dropping and not s.lanes.assemblies)
+        assert s.interp.mem.refusals == n  # one refusal per upload, not one per late chunk
+        assert float(xp.sum(x)) == 4 * MiB // 8
+        dev.close()
+        assert wait_until(lambda: srv.memory_held() == 0)
+    finally:
+        srv.close()
+
+
 # ---- hostile lanes ------------------------------------------------------------------------------
 
 def _raw_lane(address: str, session_id: bytes, key: bytes) -> Any:
@@ -470,16 +499,19 @@ def test_a_raw_striped_upload_over_websocket_is_stored_and_read_back(peer):
     ws.send(codec.packb([[m.READ, 5, 1]]))
     got = bytearray(total)
     seen = 0
-    for lane in lanes:
-        while True:
-            try:
-                frame = lane.recv(timeout=0.5)
-            except TimeoutError:
-                break
-            (req, status, (off, _, tot)), payload = codec.decode_data(frame)
+    stripes = dict(pl.stripe_bounds(total, CHUNK, 2))  # lo -> hi
+    for lane in lanes:  # each lane brings one stripe, in order
+        end = None
+        while end is None or seen_here < end:
+            (req, status, (off, _, tot)), payload = codec.decode_data(lane.recv(timeout=10))
             assert req == 5 and status == m.CHUNK and tot == total and off % CHUNK == 0
+            if end is None:
+                end, seen_here = stripes.pop(off), off
+            assert off == seen_here
             got[off:off + len(payload)] = payload
+            seen_here += len(payload)
             seen += len(payload)
+    assert not stripes
     frame = ws.recv(timeout=5)
     assert codec.is_data(frame)
     (req, status, (dt, shape, tot, _, _)), payload = codec.decode_data(frame)

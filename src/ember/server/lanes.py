@@ -79,7 +79,8 @@ class SessionLanes:
         self.chunk = int(session.server.limits["chunk"])
         self.conns: list[Any] = []
         self.assemblies: dict[int, Assembly] = {}
-        self.refused: dict[int, Exception] = {}
+        self.refused: dict[int, Exception] = {}  # refused uploads whose UPLOAD has not run yet: why
+        self.dropping: dict[int, int] = {}  # refused uploads: bytes of their chunks still to come
         self._placed: dict[tuple[int, int], int] = {}
         self._cond = threading.Condition()
         self.progress = time.monotonic()  # when a lane last delivered a chunk
@@ -148,7 +149,7 @@ class SessionLanes:
         _, tid, dtype, shape, off, _, total = h
         a = self.assemblies.get(tid)
         if a is None:
-            if tid in self.refused:
+            if tid in self.refused or tid in self.dropping:
                 return None
             a = self._begin(tid, dtype, shape, total)
             if a is None:
@@ -173,9 +174,11 @@ class SessionLanes:
             except LimitExceeded as e:
                 bad = e
         if bad is not None:
-            if len(self.refused) >= MAX_REFUSED:
-                self.fail(ProtocolError(f"more than {MAX_REFUSED} refused uploads whose Upload never came"))
+            if len(self.refused.keys() | self.dropping.keys()) >= MAX_REFUSED:
+                self.fail(ProtocolError(f"more than {MAX_REFUSED} refused uploads whose Upload or chunks never came"))
             self.refused[tid] = bad
+            if type(total) is int and total > 0:  # the rest of its chunks are dropped as they come
+                self.dropping[tid] = total
             self._wake()
             return None
         a = self.assemblies[tid] = Assembly(dtype, shape, total, self.chunk)
@@ -200,8 +203,15 @@ class SessionLanes:
             n = self._placed.pop((tid, off), None) if type(tid) is int and type(off) is int else None
             s.bytes_in += len(frame) + (n or 0)
         if n is None:
+            if type(tid) is int and tid in self.dropping:
+                left = self.dropping[tid] - max(1, len(payload))  # a chunk of an upload refused with a
+                if left > 0:                                     # reason (its UPLOAD poisons the id)
+                    self.dropping[tid] = left
+                else:
+                    del self.dropping[tid]
+                return
             if type(tid) is int and tid in self.refused:
-                return  # a chunk of an upload refused with a reason (its UPLOAD poisons the id)
+                return
             raise ProtocolError(f"a lane chunk of upload {safe_repr(tid)} at offset {safe_repr(off)} "
                                 "is misaligned, outside the tensor or a duplicate")
         self.progress = time.monotonic()
@@ -275,7 +285,7 @@ class SessionLanes:
 
     def _drop(self, tid: int) -> None:
         a = self.assemblies.pop(tid, None)
-        self.refused.pop(tid, None)
+        self.refused.pop(tid, None)  # (its chunks still to come are dropped: ``dropping`` keeps them)
         if a is not None:
             self.session.interp.mem.shared_release(a.total)
 
@@ -284,6 +294,7 @@ class SessionLanes:
         for tid in list(self.assemblies):
             self._drop(tid)
         self.refused.clear()
+        self.dropping.clear()
 
     def stop(self) -> None:
         """The session is ending: wake a worker waiting for chunks."""
