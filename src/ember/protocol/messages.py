@@ -72,7 +72,7 @@ expects only MessagePack frames, so old and new peers still talk (protocol versi
 way). Small tensors (at most ``INLINE_DATA`` bytes) keep riding inside batches.
 
 Lanes (feature ``"lanes"``, with ``"data"``; docs/protocol.md, "Lanes"; ``protocol.lanes``). The
-Welcome carries ``lanes: {key, max, min_bytes}``; the client may open up to ``max`` more streams
+Welcome carries ``lanes: {key, max, min_bytes, chunk}``; the client may open up to ``max`` more streams
 to the peer, each starting with ``{type: "lane", session_id, key}`` (answered ``{type: "lane"}``
 or ``{type: "denied", reason}``), and stripe uploads and read answers of at least ``min_bytes``
 over them as data frames (chunk-aligned, each chunk once). The session stream keeps the order::
