@@ -408,6 +408,28 @@ def test_a_lane_that_sends_what_it_must_not_ends_its_session_only(peer, what):
         other.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_lane_the_peer_closes_ends_the_session_for_the_caller_in_bounded_time(peer):
+    dev = ember.connect(_ticket(peer), lanes=4)
+    try:
+        a = np.random.default_rng(3).standard_normal(3 * CHUNK // 8)
+        x = xp.asarray(a, device=dev)
+        old, s = dev.session, _server_session(peer, dev)
+        assert len(s.lanes.conns) == 4
+        t0 = time.monotonic()
+        asyncio.run_coroutine_threadsafe(s.lanes.conns[0].close(), peer._loop).result(10)
+        assert wait_until(lambda: old.lost is not None, 10.0)
+        assert isinstance(old.lost, SessionLost) and "lane" in old.lost.message
+        with pytest.raises(SessionLost):
+            x.to_numpy()
+        assert time.monotonic() - t0 < 10.0
+        assert wait_until(lambda: old._session_id not in peer.sessions, 10.0)  # not left behind on the peer
+        _canary(dev)  # new work opens a new session (with its own lanes)
+        assert xp.asarray(a, device=dev).to_numpy().tobytes() == a.tobytes() and len(dev.session.lanes) == 4
+    finally:
+        dev.close()
+
+
 def _raw_ws_session(address: str) -> tuple[Any, dict[str, Any], bytes]:
     sid = os.urandom(16)
     ws = ws_connect(address, max_size=None)
