@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -40,12 +40,13 @@ from ..protocol import lanes as pl
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
 from .interpreter import Interpreter, Placed
-from .lanes import SessionLanes, StripedRead, serve_transfer_lane
-from .backends import Backend
-from .limits import Admission, ClientLimits, client_identity
-from .memory import DeviceMemory, give_back_freed
-from .telemetry import Probe, transport_of
-from .transfer import TransferHub, TransferOps, serve_transfer
+from .handshake import first_map, handshake, serve_lane
+from .host import SessionHost
+from .lanes import SessionLanes, StripedRead
+from .limits import ClientLimits, client_identity
+from .memory import give_back_freed
+from .telemetry import transport_of
+from .transfer import TransferOps, serve_transfer
 
 log = logging.getLogger("ember.server")
 
@@ -53,42 +54,6 @@ HANDSHAKE_TIMEOUT = ClientLimits.handshake_timeout
 KEEPALIVE = codec.packb([[0, m.OK, None]])
 #: Decoded batches cost about this many times their frame (uploads: their frame).
 DECODED_FACTOR = 8
-
-
-class SessionHost(Protocol):
-    """What the session pump needs of the peer that hosts it (``Server`` is one).
-
-    The pump receives its host as an argument and never imports ``server.py``,
-    so the peer's configuration and its sessions stay two modules without a cycle.
-    """
-
-    backends: list[Backend]
-    tables: list[dict[str, Callable[..., Any]]]
-    custom_ops: dict[str, Callable[..., Any]]
-    limits: dict[str, int]
-    client_limits: ClientLimits
-    admission: Admission
-    budgets: list[DeviceMemory]          # one per device index (host devices share theirs)
-    session_memory: int | None
-    transfers: TransferHub
-    inline_small: bool
-    max_sessions: int
-    sessions: dict[bytes, "Session"]
-    live: set["Session"]
-    peer_id: str | None
-    transfer_peer_id: str | None
-    version: str
-    instance: str
-    telemetry: Probe
-    figures: Any  # server/figures.py: answers STATS
-
-    def authorize(self, peer_id: str | None, device: int, credential: bytes) -> str | None: ...
-
-    def authorize_admin(self, peer_id: str | None, credential: bytes) -> str | None: ...
-
-    def device_info(self) -> list[dict[str, Any]]: ...
-
-    def welcome_limits(self, device: int) -> dict[str, Any]: ...
 
 
 class Session:
@@ -401,50 +366,6 @@ async def _send_now(session: Session) -> None:
         await _send_marked(session, frame)
 
 
-async def _handshake(server: SessionHost, conn: FrameConnection, first: bytes,
-                     identity: str) -> dict[str, Any] | None:
-    """Judge Hello; answer Reject and return None when refused.
-
-    A Hello marked ``admin`` (``ember top`` / ``ember status``) is judged by the server's admin
-    check (admin token or allowlisted iroh peer id) instead of its authorizer.
-    """
-    try:
-        hello = codec.decode_hello(first)
-    except ProtocolError as e:
-        return await _refuse(server, conn, m.REJECT_PROTOCOL, e.message)
-    if hello["protocol"] != m.PROTOCOL_VERSION:
-        reason = (f"protocol version mismatch: the client speaks version {hello['protocol']}, "
-                  f"this peer speaks version {m.PROTOCOL_VERSION}")
-        return await _refuse(server, conn, m.REJECT_VERSION, reason, server_protocol=m.PROTOCOL_VERSION)
-    n = len(server.backends)
-    if not 0 <= hello["device"] < n:
-        return await _refuse(server, conn, m.REJECT_DEVICE,
-                             f"no device {hello['device']}: this peer hosts {n} device(s) (indices 0..{n - 1})",
-                             device_count=n)
-    if hello.get("admin"):
-        reason = server.authorize_admin(conn.peer_id, hello["credential"])
-    else:
-        reason = server.authorize(conn.peer_id, hello["device"], hello["credential"])
-    if reason is not None:
-        server.admission.refusals["unauthorized"] += 1
-        return await _refuse(server, conn, m.REJECT_UNAUTHORIZED, reason)
-    if hello["session_id"] in server.sessions:
-        return await _refuse(server, conn, m.REJECT_PROTOCOL,
-                             "this session id is already in use on this peer (ids must be random)")
-    refusal = None if hello.get("admin") else server.admission.refuse(identity, len(server.sessions))
-    if refusal is not None:  # (an operator may look at a full peer)
-        return await _refuse(server, conn, *refusal)
-    return hello
-
-
-async def _refuse(server: SessionHost, conn: FrameConnection, code: str, reason: str, **extra: Any) -> None:
-    # the session log (server/session_log.py) reports every refusal; a version mismatch also warns here
-    log.log(logging.WARNING if code == m.REJECT_VERSION else logging.DEBUG, "refused %s (%s): %s",
-            conn.peer_id or conn.remote, code, reason)
-    server.telemetry.session_refused(conn.peer_id, conn.remote, code, reason)
-    await conn.send(codec.encode_reject(code, reason, **extra))
-
-
 async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
     """Serve one stream: a session until it closes, breaks or sends garbage; or one download."""
     limits = server.client_limits
@@ -453,17 +374,17 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
         first = await asyncio.wait_for(conn.recv(), limits.handshake_timeout)
         if first is None:
             return
-        request = _first_map(first)
+        request = first_map(first)
         if request is not None and request.get("type") == "transfer":
             await serve_transfer(server.transfers, conn, request, server.limits["chunk"], server.telemetry)
             await _close_quietly(conn)
             return
         lane = pl.decode_first(request)
         if lane is not None:
-            await _serve_lane(server, conn, lane)
+            await serve_lane(server, conn, lane)
             await _close_quietly(conn)
             return
-        hello = await _handshake(server, conn, first, identity)
+        hello = await handshake(server, conn, first, identity)
     except asyncio.TimeoutError:
         log.info("%s sent nothing within %g s", conn.remote, limits.handshake_timeout)
         server.admission.refusals["handshake_timeout"] += 1
@@ -572,34 +493,6 @@ async def _wait_for_worker(session: Session) -> None:
         if time.monotonic() - last >= 1.0:
             session.post(KEEPALIVE)
             last = time.monotonic()
-
-
-def _first_map(first: bytes) -> dict[str, Any] | None:
-    """The first frame of a stream as a map with a ``type`` (a transfer request, a lane's attach), or
-    None for anything else (a Hello is judged by the handshake, garbage too)."""
-    try:
-        d = codec.unpackb(first, max_frame=1 << 16)
-    except ProtocolError:
-        return None
-    return d if isinstance(d, dict) and d.get("type") in ("transfer", "lane", "transfer_lane") else None
-
-
-async def _serve_lane(server: SessionHost, conn: FrameConnection, lane: tuple[str, bytes, Any]) -> None:
-    """A stream that asks to be a lane: of a session (attached if its key and peer are right), or of
-    a download (stripe ``index``)."""
-    kind, first, second = lane
-    if kind == "transfer_lane":
-        await serve_transfer_lane(server.transfers.lanes, conn, first, second)
-        return
-    session = server.sessions.get(first)
-    reason = "no session with lanes by that id on this peer" if session is None or session.lanes is None \
-        else session.lanes.refusal(conn, second)
-    if reason is not None:
-        log.info("lane from %s refused: %s", conn.peer_id or conn.remote, reason)
-        await conn.send(codec.packb({"type": "denied", "reason": reason}))
-        return
-    assert session is not None and session.lanes is not None
-    await session.lanes.serve(conn)
 
 
 async def _close_quietly(conn: FrameConnection) -> None:

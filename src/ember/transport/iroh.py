@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import threading
 import weakref
 from contextlib import suppress
@@ -39,6 +38,7 @@ from .base import SessionHandler
 from .iroh_conn import (CODE_BAD_HEADER, CODE_BAD_VERSION, CODE_DONE, CODE_NO_HANDLER,
                         CODE_SHUTDOWN, DEFAULT_MAX_FRAME, HEADER_LIMIT, KINDS, STREAM_VERSION,
                         FrameTooLarge, IrohConnection)
+from .iroh_address import Target, is_iroh_address, parse_address
 from .iroh_endpoint import (ALPN, bind_endpoint, close_endpoint, iroh_message, parse_relay,
                             relay_mode_name)
 
@@ -331,44 +331,6 @@ class IrohListener:
 # ---------------------------------------------------------------------------
 # Client side
 # ---------------------------------------------------------------------------
-
-@dataclass
-class Target:
-    """A parsed dial address."""
-
-    peer_id: str
-    addr: Any
-    addresses: list[str]
-    from_ticket: bool
-
-
-def is_iroh_address(address: str) -> bool:
-    """True for ``endpoint…`` tickets and bare 64-hex peer ids."""
-    s = address.strip()
-    return s.startswith("endpoint") or re.fullmatch(r"[0-9a-fA-F]{64}", s) is not None
-
-
-def parse_address(address: str) -> Target:
-    """Parse an ``endpoint…`` ticket or a 64-hex peer id."""
-    s = address.strip()
-    hint = "pass the `endpoint…` ticket printed by `ember serve` (or a 64-hex peer id where discovery is on)"
-    if s.startswith("endpoint"):
-        try:
-            addr = iroh.EndpointTicket.from_string(s).endpoint_addr()
-        except Exception as e:  # noqa: BLE001
-            raise ConnectError(f"invalid iroh ticket: {iroh_message(e)}", hint=hint) from None
-        addrs = list(addr.direct_addresses())
-        if addr.relay_url():
-            addrs.append(f"relay {addr.relay_url()}")
-        return Target(str(addr.id()), addr, addrs, True)
-    if re.fullmatch(r"[0-9a-fA-F]{64}", s):
-        try:
-            eid = iroh.EndpointId.from_string(s.lower())
-        except Exception as e:  # noqa: BLE001
-            raise ConnectError(f"invalid peer id {s}: {iroh_message(e)}", hint=hint) from None
-        return Target(str(eid), iroh.EndpointAddr(eid, None, []), [], False)
-    raise ConnectError(f"not an iroh address: {address!r}", hint=hint)
-
 
 @dataclass
 class _ClientConfig:
