@@ -174,6 +174,7 @@ def test_striped_uploads_and_reads_over_iroh_are_bit_exact(peer):
             assert a.nbytes >= pl.STRIPE_MIN, name
             x = xp.asarray(a, device=dev)
             if s is None:  # lanes open with the first large transfer
+                dev.sync()  # (its UPLOAD has run on the peer before the spies go in)
                 assert len(dev.session.lanes) == 4
                 s = _server_session(peer, dev)
                 assert s.lanes is not None and len(s.lanes.conns) == 4
