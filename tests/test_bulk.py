@@ -23,7 +23,7 @@ from ember.protocol import codec
 from ember.protocol import messages as m
 from ember.server import Server
 from ember.transport import tcp
-from ember.transport.base import frame_bytes, frame_parts
+from ember.transport.base import PREFAULT_MIN, frame_bytes, frame_parts, receive_buffer
 
 SIZES = [0, 1, 65536, 65537, 3 * 2**20 + 5]  # empty, inline, the inline bound, just past it, several chunks
 
@@ -126,6 +126,28 @@ def test_read_arrives_straight_into_place_over_tcp(peer):
         out = x.to_numpy()
         assert out.flags.writeable and int(out.sum()) == 3 * 2**20
         assert placed and all(placed)  # every chunk went into the array, not into a frame
+    finally:
+        d.close()
+
+
+@pytest.mark.timeout(60)
+def test_large_reads_land_in_prefaulted_buffers_and_stay_ordinary_arrays(peer, monkeypatch):
+    small, big = receive_buffer(PREFAULT_MIN - 1), receive_buffer(PREFAULT_MIN)
+    assert small.dtype == big.dtype == np.uint8 and (len(small), len(big)) == (PREFAULT_MIN - 1, PREFAULT_MIN)
+    big[::4096] = 7  # writable, every page
+    assert int(big[::4096].sum()) == 7 * (PREFAULT_MIN // 4096)
+    if sys.platform.startswith("linux"):
+        assert isinstance(big.base, memoryview) and isinstance(big.base.obj, __import__("mmap").mmap)  # populated
+    monkeypatch.setenv("EMBER_PREFAULT", "0")
+    assert receive_buffer(PREFAULT_MIN).base is None  # plain np.empty when turned off
+    monkeypatch.delenv("EMBER_PREFAULT")
+    d = ember.connect(_addr(peer, "tcp"))
+    try:
+        a = np.random.default_rng(3).integers(0, 1 << 30, PREFAULT_MIN // 4 + 3, dtype=np.int32)
+        out = xp.asarray(a, device=d)[1:].to_numpy()
+        np.testing.assert_array_equal(out, a[1:])
+        out[0] = -1  # the caller owns a writable array, as from np.empty
+        assert out.base is not None and (out.reshape(-1, 1) + 0).shape == (len(a) - 1, 1)
     finally:
         d.close()
 

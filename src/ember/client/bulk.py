@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import EmberError, LimitExceeded, ProtocolError
 from ..protocol import codec
 from ..protocol import messages as m
+from ..transport.base import receive_buffer
 from .lanes import StripedUpload
 
 
@@ -137,7 +138,7 @@ class BulkData:
             self._waiters.pop(key, None)
         return tid
 
-    def _wait(self, w: _Waiter, total: int, progress: Any, what: str, timeout: float) -> None:
+    def _wait(self, w: Waiter, total: int, progress: Any, what: str, timeout: float) -> None:
         """Wait for ``w``; ``timeout`` bounds a stretch without progress. ``progress`` shows the bytes."""
         bar = progress.bar(total, what) if progress is not None else None
         try:
@@ -185,7 +186,7 @@ class BulkData:
         if w is None:
             return None
         if w.buf is None:
-            w.buf = np.empty(total, np.uint8)
+            w.buf = receive_buffer(total)
         elif len(w.buf) != total:
             return None
         self._placed[(req, off)] = n  # counted once the bytes are in (``_data_frame``)
@@ -208,7 +209,7 @@ class BulkData:
         if type(off) is not int or type(total) is not int or total < 0:
             raise ProtocolError(f"malformed data frame head from {self.address}: {str(p)[:80]}")
         if w.buf is None:
-            w.buf = np.empty(total, np.uint8)
+            w.buf = receive_buffer(total)
         if len(payload):
             if len(w.buf) != total or not 0 <= off <= total - len(payload):
                 raise ProtocolError(f"a chunk from {self.address} lies outside the array it answers")

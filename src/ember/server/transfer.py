@@ -28,7 +28,7 @@ from ..errors import EmberError, LimitExceeded, ProtocolError, TransferError
 from ..protocol import codec
 from ..protocol import lanes as pl
 from ..protocol import messages as m
-from ..transport.base import FrameConnection
+from ..transport.base import FrameConnection, receive_buffer
 from ..transport.loop import all_or_nothing
 from .backends import Backend
 from .lanes import TransferLanes
@@ -320,7 +320,7 @@ async def download(address: str, cap: bytes, *, timeout: float, max_frame: int,
         total, dtype, shape = _checked_header(hdr, dtypes)
         if reserve is not None:
             reserve(total)
-        buf = np.empty(total, np.uint8)
+        buf = receive_buffer(total)
         view = memoryview(buf)
         agreed = codec.agreed_features(hdr.get("features"))
         if m.LANES_FEATURE in agreed and m.DATA_FEATURE in agreed and lanes > 1:
