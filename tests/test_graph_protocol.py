@@ -162,3 +162,38 @@ def test_canon_ignores_ids_and_scalar_values_but_not_structure(dropped: set[int]
     assert a is not None and b is not None and c is not None
     assert a.same(b) and not a.same(c) and a.key() == b.key() != c.key()
     assert a.scalars == [0.5, 1.0] and b.scalars == [0.7, 1.0]
+
+
+def _chain(x: int, first: int, n: int) -> list[list[Any]]:
+    """n ops, each on the previous result: every result but the last a temporary of x's size."""
+    ops, prev = [], x
+    for k in range(n):
+        ops.append([OP, "exp" if k % 2 else "negative", [prev], 0, [first + k], None])
+        prev = first + k
+    return ops
+
+
+@pytest.mark.parametrize("n, refused", [(50, False), (120, True)])
+def test_a_replays_small_temporaries_are_charged_in_slack_sized_lots(n: int, refused: bool) -> None:
+    from ember.server.memory import DeviceMemory
+    from ember.server.replay import SLACK, SMALL_RESULT
+    p = Peer()
+    budget = 2 << 20
+    p.interp.mem = mem = DeviceMemory(None, "test").session(budget, "s")
+    x = np.full(4096, 0.5)  # 32 KiB: below SMALL_RESULT, so its results are charged together
+    assert x.nbytes < SMALL_RESULT and n * x.nbytes > SLACK
+    p.send(p.upload(1, x))
+    ops = _chain(1, 10, n)
+    wire, rep = graph_of(ops, dropped={1, *range(10, 10 + n - 1)})
+    p.send(wire, rep, [READ, 1, 10 + n - 1])
+    got = p.value(1)
+    if refused:  # 120 x 32 KiB of temporaries: over the 2 MiB budget, refused like the ops sent alone
+        assert got[0] == "error" and "session memory budget" in got[2]
+    else:
+        want = x.copy()
+        for k in range(n):
+            want = np.exp(want) if k % 2 else -want
+        assert np.allclose(got, want)
+    assert mem.peak <= budget  # the overshoot of the uncharged lot never passes the budget's check
+    p.send([DROP, [10 + n - 1]])
+    assert mem.held() == 0

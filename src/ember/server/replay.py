@@ -18,6 +18,11 @@ from ..protocol.codec import safe_repr
 from .graph_cache import compile_graph
 from .sizes import PREDICTED
 
+#: A replay charges results below this size together, once they reach SLACK bytes: the budget check
+#: per tiny op cost a quarter of a chain of tiny ops' throughput; the overshoot is at most SLACK.
+SMALL_RESULT = 1 << 16
+SLACK = 1 << 20
+
 
 def store_results(store: Any, outs: list[int], res: Any, name: str) -> None:
     """Put a multi-output op's results under their ids (or registers)."""
@@ -202,6 +207,7 @@ class GraphReplay:
             R[n_in + idx] = scal[j + 1]
         mem = self.mem
         temps = 0  # bytes of results the register file holds (nominal sizes), released at the end
+        small = 0  # bytes of small results not charged yet (at most SLACK)
         try:
             for fn, regs, oregs, kw, name, tregs, err in g.steps:
                 try:
@@ -223,9 +229,15 @@ class GraphReplay:
                             mem.release(reserved)
                     if len(oregs) == 1:
                         n = getattr(res, "nbytes", 0)
-                        if n:
+                        if n >= SMALL_RESULT:
                             mem.charge(n, (name, res))
                             temps += n
+                        elif n:  # small results are charged together, SLACK bytes at a time
+                            small += n
+                            if small >= SLACK:
+                                n, small = small, 0
+                                mem.charge(n, lambda: f"{name} and the small results before it in graph {gid}")
+                                temps += n
                         R[oregs[0]] = res
                     else:
                         store_results(R, oregs, res, name)
