@@ -432,6 +432,9 @@ class ClientSession(BulkData, LaneData):
                 if self.lost is not None:
                     break
         except (ConnectionError, OSError) as e:
+            receiver = self._tasks[0]
+            if self.lost is None and not receiver.done():  # a peer that ends a session says why first:
+                await asyncio.wait([receiver], timeout=1.0)  # let the receiver read it (or the end)
             self._fail_all(SessionLost(f"connection to {self.address} broke while sending: {e}"))
         except asyncio.CancelledError:
             pass
