@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -17,28 +14,12 @@ from ember.cli.serve import build_server
 from ember.errors import AuthorizationError, EmberError
 from ember.server import Server, allowlist_authorizer
 
-ENV = {**os.environ, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+from test_core_cli import ENV, start_serve
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ember.cli.main", "serve", *args], capture_output=True, text=True,
                           env=ENV, timeout=60)
-
-
-def start(*args: str) -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", *args], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=ENV)
-    assert p.stdout is not None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        if not line:
-            break
-        found = re.search(r"listening on (ws://\S+)", line)
-        if found:
-            return p, found.group(1)
-    p.kill()
-    raise AssertionError(f"no address; stderr: {p.stderr.read() if p.stderr else ''}")
 
 
 def test_websocket_on_a_public_address_without_a_token_is_refused_and_says_why():
@@ -64,7 +45,7 @@ def test_token_file_keeps_the_secret_out_of_the_command_line(tmp_path):
     f = tmp_path / "token"
     f.write_text(secret + "\n")
     f.chmod(0o600)
-    p, addr = start("--websocket", "127.0.0.1:0", "--no-iroh", "--token-file", str(f))
+    p, addr = start_serve("--websocket", "127.0.0.1:0", "--no-iroh", "--token-file", str(f))
     try:
         with open(f"/proc/{p.pid}/cmdline", "rb") as c:
             assert secret.encode() not in c.read()
