@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import warnings
@@ -26,27 +25,16 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, seed, settings
 
-import ember
 import ember.array_api as xp
-from ember.embedded import local_server
-from ember.server import Server
-from ember.testing import Target, calls, public_functions, run_call
-
-MAX_TENSOR = 32 << 20
+from ember.testing import Target, calls, hostile_peer, public_functions, run_call
 
 
 def run(transport: str, cases: int, minutes: float, seed_: int, per_round: int) -> dict[str, Any]:
-    srv = local_server() if transport == "local" else Server(["cpu"], max_tensor=MAX_TENSOR)
-    saved = srv.limits["max_tensor"]
-    srv.limits["max_tensor"] = MAX_TENSOR
-    if transport == "local":
-        address = "local"
-    else:
-        srv.listen_websocket("127.0.0.1", 0)
-        srv.start_in_thread()
-        address = srv.addresses[0]
-    dev, other = ember.connect(address), ember.connect(address)
-    target = Target(xp, dev, other)
+    with hostile_peer(transport) as target:
+        return _rounds(target, transport, cases, minutes, seed_, per_round)
+
+
+def _rounds(target: Target, transport: str, cases: int, minutes: float, seed_: int, per_round: int) -> dict[str, Any]:
     functions = public_functions(xp)
     stats = {"transport": transport, "functions": len(functions), "calls": 0, "raised": 0, "returned": 0,
              "problems": 0, "sessions_lost": 0, "examples_of_problems": []}
@@ -82,11 +70,6 @@ def run(transport: str, cases: int, minutes: float, seed_: int, per_round: int) 
     finally:
         stats["seconds"] = round(time.monotonic() - t0, 1)
         stats["rounds"] = round_
-        dev.close()
-        other.close()
-        srv.limits["max_tensor"] = saved
-        if transport != "local":
-            srv.close()
     return stats
 
 

@@ -18,15 +18,12 @@ from hypothesis import HealthCheck, given, settings
 
 import ember
 import ember.array_api as xp
-from ember.embedded import local_server
 from ember.server import Server
-from ember.testing import Target, calls, public_functions, run_call
+from ember.testing import Target, calls, hostile_peer, public_functions, run_call
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
 FUNCTIONS = dict(public_functions(xp))
-MAX_TENSOR = 32 << 20
-"""The test peers refuse tensors beyond this: a hostile size is refused at the call, never allocated."""
 
 SETTINGS = settings(max_examples=int(os.environ.get("EMBER_HOSTILE_EXAMPLES", "5")), deadline=None,
                     derandomize=True, database=None, suppress_health_check=list(HealthCheck))
@@ -35,24 +32,8 @@ SETTINGS = settings(max_examples=int(os.environ.get("EMBER_HOSTILE_EXAMPLES", "5
 @pytest.fixture(scope="module", params=["local", "websocket"])
 def target(request: pytest.FixtureRequest) -> Iterator[Target]:
     """Two sessions on one peer (the second's arrays are "arrays of another device")."""
-    srv = local_server() if request.param == "local" else Server(["cpu"], max_tensor=MAX_TENSOR)
-    saved = srv.limits["max_tensor"]
-    srv.limits["max_tensor"] = MAX_TENSOR
-    if request.param == "local":
-        address = "local"
-    else:
-        srv.listen_websocket("127.0.0.1", 0)
-        srv.start_in_thread()
-        address = srv.addresses[0]
-    dev, other = ember.connect(address), ember.connect(address)
-    try:
-        yield Target(xp, dev, other)
-    finally:
-        dev.close()
-        other.close()
-        srv.limits["max_tensor"] = saved
-        if request.param != "local":
-            srv.close()
+    with hostile_peer(request.param) as t:
+        yield t
 
 
 def test_every_public_function_is_driven() -> None:

@@ -18,10 +18,11 @@ Needs hypothesis (a test dependency); nothing in ember imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from hypothesis import strategies as st
@@ -124,6 +125,39 @@ class Target:
     def canary_ok(self) -> bool:
         """Does the session still compute? (sum(2 * arange(10)) == 90)"""
         return float(self.ns.sum(self.canary * 2).to_numpy()) == 90.0
+
+
+#: What the peers of :func:`hostile_peer` refuse beyond: a hostile size is refused at the call, never allocated.
+HOSTILE_MAX_TENSOR = 32 << 20
+
+
+@contextlib.contextmanager
+def hostile_peer(transport: str) -> Iterator[Target]:
+    """A :class:`Target` of ``ember.array_api``: two sessions (the second's arrays are "arrays of another
+    device") on the embedded ``"local"`` peer or on a WebSocket peer on loopback, refusing tensors over
+    :data:`HOSTILE_MAX_TENSOR`; all closed (and the local peer's limit restored) at the end."""
+    import ember
+    import ember.array_api as xp
+    from .embedded import local_server
+    from .server import Server
+    srv = local_server() if transport == "local" else Server(["cpu"], max_tensor=HOSTILE_MAX_TENSOR)
+    saved = srv.limits["max_tensor"]
+    srv.limits["max_tensor"] = HOSTILE_MAX_TENSOR
+    if transport == "local":
+        address = "local"
+    else:
+        srv.listen_websocket("127.0.0.1", 0)
+        srv.start_in_thread()
+        address = srv.addresses[0]
+    dev, other = ember.connect(address), ember.connect(address)
+    try:
+        yield Target(xp, dev, other)
+    finally:
+        dev.close()
+        other.close()
+        srv.limits["max_tensor"] = saved
+        if transport != "local":
+            srv.close()
 
 
 def _is_func(f: Any) -> bool:
