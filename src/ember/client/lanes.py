@@ -119,20 +119,13 @@ class LaneData:
             pass
         except EmberError as e:
             if isinstance(e, SessionLost):
-                await self._session_says_why()
+                await self._session_says_why()  # type: ignore[attr-defined]
             self._fail_all(e if isinstance(e, (SessionLost, ProtocolError)) else SessionLost(e.message))  # type: ignore[attr-defined]
         except (ValueError, TypeError, IndexError) as e:
             self._fail_all(ProtocolError(f"malformed frame on a lane from {self.address}: {e}"))  # type: ignore[attr-defined]
         except (ConnectionError, OSError) as e:
-            await self._session_says_why()
+            await self._session_says_why()  # type: ignore[attr-defined]
             self._fail_all(SessionLost(f"a lane to {self.address} broke: {e}"))  # type: ignore[attr-defined]
-
-    async def _session_says_why(self) -> None:
-        """A lane ended: a peer that ends the session sends the reason on the session stream, which
-        QUIC may deliver after the lane's end; give the session's receiver a moment to read it."""
-        receiver = self._tasks[0]  # type: ignore[attr-defined]
-        if self.lost is None and not receiver.done():
-            await asyncio.wait([receiver], timeout=1.0)
 
     async def _send_striped(self, job: StripedUpload) -> None:
         """The upload's place in the order on the session stream, then its stripes on the lanes."""

@@ -432,9 +432,7 @@ class ClientSession(BulkData, LaneData):
                 if self.lost is not None:
                     break
         except (ConnectionError, OSError) as e:
-            receiver = self._tasks[0]
-            if self.lost is None and not receiver.done():  # a peer that ends a session says why first:
-                await asyncio.wait([receiver], timeout=1.0)  # let the receiver read it (or the end)
+            await self._session_says_why()
             self._fail_all(SessionLost(f"connection to {self.address} broke while sending: {e}"))
         except asyncio.CancelledError:
             pass
@@ -447,6 +445,12 @@ class ClientSession(BulkData, LaneData):
                 await self._close_lanes()
                 for t in self._tasks[0], self._tasks[2]:  # receiver, heartbeat
                     t.cancel()
+
+    async def _session_says_why(self) -> None:
+        """A send failed or a lane ended: let the receiver read the reason the peer sent first (it may lag)."""
+        receiver = self._tasks[0]
+        if self.lost is None and not receiver.done():
+            await asyncio.wait([receiver], timeout=1.0)
 
     async def _receiver(self) -> None:
         conn, waiters = self.conn, self._waiters
