@@ -28,6 +28,24 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture
+def make_peer() -> Iterator:
+    """``make_peer(*hosts, **server_options)``: NumPy peers serving WebSocket on each host (default
+    127.0.0.1), closed at the end of the test."""
+    servers = []
+
+    def make(*hosts: str, **kw) -> Server:
+        srv = Server(["cpu"], **kw)
+        for h in hosts or ("127.0.0.1",):
+            srv.listen_websocket(h, 0)
+        srv.start_in_thread()
+        servers.append(srv)
+        return srv
+    yield make
+    for s in servers:
+        s.close()
+
+
+@pytest.fixture
 def ws_address(server: Server) -> str:
     return server.addresses[0]
 

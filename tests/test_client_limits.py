@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Iterator
 
 import msgpack
 import numpy as np
@@ -20,22 +19,6 @@ from ember.protocol import messages as m
 from ember.server import Server
 
 from test_memory_budgets import answers, raw_session, wait_until
-
-
-@pytest.fixture
-def make_peer() -> Iterator:
-    servers = []
-
-    def make(*hosts: str, **kw) -> Server:
-        srv = Server(["cpu"], **kw)
-        for h in hosts or ("127.0.0.1",):
-            srv.listen_websocket(h, 0)
-        srv.start_in_thread()
-        servers.append(srv)
-        return srv
-    yield make
-    for s in servers:
-        s.close()
 
 
 def test_sessions_per_client_are_limited_and_another_client_is_still_served(make_peer):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Iterator
 
 import msgpack
 import numpy as np
@@ -39,21 +38,6 @@ def wait_until(pred, timeout=10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
-
-
-@pytest.fixture
-def make_peer() -> Iterator:
-    servers = []
-
-    def make(**kw) -> Server:
-        srv = Server(["cpu"], **kw)
-        srv.listen_websocket("127.0.0.1", 0)
-        srv.start_in_thread()
-        servers.append(srv)
-        return srv
-    yield make
-    for s in servers:
-        s.close()
 
 
 def raw_session(address: str):
