@@ -17,6 +17,11 @@ KINDS = tuple(n.lower() for n in m.KIND_NAMES)
 """Message kind names as telemetry reports them (``op``, ``upload``, ``read``, ...)."""
 
 
+def kind_name(kind: Any) -> str:
+    """A message kind's telemetry name (any other value as its string: a client may send any kind)."""
+    return KINDS[kind] if isinstance(kind, int) and 0 <= kind < len(KINDS) else str(kind)
+
+
 @dataclass(slots=True)
 class SessionOpened:
     t: float
@@ -185,7 +190,7 @@ def unpack(b: Batch) -> list[Op]:
     if b.extras:
         names = list(names)
         for i, kind, name, nb, n_run, sv in b.extras:
-            kinds[i] = KINDS[kind] if 0 <= kind < len(KINDS) else str(kind)
+            kinds[i] = kind_name(kind)
             names[i], nbytes[i], ops[i], saved[i] = name, nb, n_run, sv
     outputs: Any = repeat(None) if not b.outputs else [b.outputs.get(i) for i in range(n)]
     return list(map(_new, repeat(Op), zip(ts, repeat(b.session), kinds, names, waits, secs, nbytes, ops, saved,
@@ -195,5 +200,5 @@ def unpack(b: Batch) -> list[Op]:
 _new = tuple.__new__
 
 
-__all__ = ["KINDS", "SESSION_EVENTS", "OP_EVENTS", "EVENTS", "SessionOpened", "SessionClosed", "SessionRefused",
+__all__ = ["KINDS", "kind_name", "SESSION_EVENTS", "OP_EVENTS", "EVENTS", "SessionOpened", "SessionClosed", "SessionRefused",
            "Error", "Transfer", "GraphMissed", "GraphEvicted", "Batch", "Op", "Missed", "unpack"]

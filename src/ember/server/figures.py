@@ -18,7 +18,7 @@ import struct
 import threading
 import time
 from bisect import bisect_left
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,8 @@ import numpy as np
 from .._version import __version__
 from ..errors import ProtocolError
 from ..protocol import messages as m
-from .telemetry import KINDS, SESSION_EVENTS, Batch, Error, SessionClosed, SessionOpened, Subscription, \
+from .events import kind_name
+from .telemetry import SESSION_EVENTS, Batch, Error, SessionClosed, SessionOpened, Subscription, \
     Transfer, consume, counters, finish
 
 #: Upper bounds (seconds) of the execution-time and queue-wait histograms.
@@ -78,14 +79,6 @@ def _fields(ev: Any) -> dict[str, Any]:
     return {f: getattr(ev, f) for f in ev.__slots__}
 
 
-def held(interp: Any) -> tuple[int, int, int]:
-    """(tensors, poisoned ids, bytes) one session's interpreter holds now, half-sent uploads included."""
-    vals = list(interp.tensors.values())  # one C-level copy: safe while the worker runs
-    uploads = list(interp._uploads.values())
-    nbytes = sum(int(getattr(v, "nbytes", 0)) for v in vals) + sum(len(u[0]) for u in uploads)
-    return len(vals), len(interp.poison), nbytes
-
-
 class Figures:
     """Recent events and aggregates from the probe, plus on-demand snapshots of the live state."""
 
@@ -104,7 +97,7 @@ class Figures:
         self.ops_on = False
         self.messages: Counter[str] = Counter()        # message kind -> count
         self.ops: Counter[tuple[str, str]] = Counter()  # (kind, name) -> ops run
-        self.seconds: dict[str, Histogram] = {}        # message kind -> execution time
+        self.seconds: defaultdict[str, Histogram] = defaultdict(Histogram)  # message kind -> execution time
         self.wait = Histogram()                        # per batch: arrival -> start
         self.batches: Counter[str] = Counter()         # inline | worker
         self.payload: Counter[str] = Counter()         # read | upload -> bytes
@@ -186,9 +179,9 @@ class Figures:
             return
         ends, seconds, payload = b.ends(), self.seconds, self.payload
         for i, kind, name, nbytes, n_run, _saved in extras:
-            k = KINDS[kind] if 0 <= kind < len(KINDS) else str(kind)
+            k = kind_name(kind)
             self.messages[k] += 1
-            seconds.setdefault(k, Histogram()).observe(ends[i] - (ends[i - 1] if i else b.start))
+            seconds[k].observe(ends[i] - (ends[i - 1] if i else b.start))
             if kind in _OP_KINDS:
                 ops[k, self.label(name)] += 1
             elif kind == _REPLAY:
@@ -206,7 +199,7 @@ class Figures:
         np.subtract(t[1:], t[:-1], out=d[1:])
         keep = np.ones(len(t), dtype=bool)
         keep[self._skip] = False
-        self.seconds.setdefault("op", Histogram()).add(d[keep])
+        self.seconds["op"].add(d[keep])
         self._pending, self._skip, self._pending_n = [], [], 0
 
     def label(self, name: Any) -> str:
@@ -233,13 +226,12 @@ class Figures:
 
     # ---- snapshots ---------------------------------------------------------------------
     def session_row(self, s: Any, now: float) -> dict[str, Any]:
-        tensors, poisoned, nbytes = held(s.interp)
-        mem = s.mem.stats() if getattr(s, "mem", None) is not None else {}
+        it, mem = s.interp, s.mem.stats()  # (what the budget holds: the tensors are never summed here)
         return {"id": s.label, "peer": s.peer_id, "remote": s.conn.remote, "transport": s.transport,
                 "device": s.device_index, "admin": s.admin, "age_s": now - s.opened, **counters(s),
-                "graphs_cached": len(s.interp.graphs), "tensors": tensors, "poisoned": poisoned,
-                "bytes_held": mem.get("held", nbytes), "budget_bytes": mem.get("limit"),
-                "budget_peak_bytes": mem.get("peak"), "budget_refusals": mem.get("refusals", 0),
+                "graphs_cached": len(it.graphs), "tensors": len(it.tensors), "poisoned": len(it.poison),
+                "bytes_held": mem["held"], "budget_bytes": mem["limit"],
+                "budget_peak_bytes": mem["peak"], "budget_refusals": mem["refusals"],
                 "last_error": self.last_error.get(s.label)}
 
     def _server_info(self) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from ..protocol import messages as m
 from .events import (EVENTS, KINDS, OP_EVENTS, SESSION_EVENTS, Batch, Error, GraphEvicted, GraphMissed,  # noqa: F401
-                     Missed, Op, SessionClosed, SessionOpened, SessionRefused, Transfer, unpack)
+                     Missed, Op, SessionClosed, SessionOpened, SessionRefused, Transfer, kind_name, unpack)
 DEFAULT_CAPACITY = 4096
 _new = tuple.__new__
 
@@ -246,7 +246,6 @@ class Probe:
         self.active = False      # a subscriber wants op events: the interpreter observes its batches
         self.shapes = False      # ... with output shapes and dtypes
         self.stopping = False    # the server is shutting down (sessions end with reason server_stopping)
-        self.started = time.time()
         self.sessions: set[Any] = set()   # live sessions (read on demand for snapshots)
         self.lock = threading.Lock()
         self.opened = 0
@@ -350,8 +349,7 @@ class Probe:
         """Report one op run outside a batch (generic: any ``kind`` name, e.g. ``"aten"``)."""
         if not self.active:
             return
-        kind = KINDS[kind] if isinstance(kind, int) and 0 <= kind < len(KINDS) else str(kind)
-        ev = Op(time.time(), session, str(kind), name, wait_s, seconds, nbytes, ops, saved_bytes, outputs)
+        ev = Op(time.time(), session, kind_name(kind), name, wait_s, seconds, nbytes, ops, saved_bytes, outputs)
         for s in self.subscribers:
             if s._unpack:
                 s.put(ev)
