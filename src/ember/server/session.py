@@ -43,14 +43,13 @@ from .interpreter import Interpreter, Placed
 from .handshake import first_map, handshake, serve_lane
 from .host import SessionHost
 from .lanes import SessionLanes, StripedRead
-from .limits import ClientLimits, client_identity
+from .limits import client_identity
 from .memory import give_back_freed
 from .telemetry import transport_of
 from .transfer import TransferOps, serve_transfer
 
 log = logging.getLogger("ember.server")
 
-HANDSHAKE_TIMEOUT = ClientLimits.handshake_timeout
 KEEPALIVE = codec.packb([[0, m.OK, None]])
 #: Decoded batches cost about this many times their frame (uploads: their frame).
 DECODED_FACTOR = 8
@@ -202,36 +201,36 @@ class Session:
             out.append(resp)
 
     def _work_loop(self) -> None:
-        inbox, interp, mem = self.inbox, self.interp, self.mem
+        inbox, mem = self.inbox, self.mem
         while True:
             item = inbox.get()
             if item is None or not self.alive:
                 break
             batch, received, cost = item
             try:
-                interp.run_batch(batch, received, False)
-            except Exception:  # never let one batch kill the worker
-                log.exception("session %s: batch failed", self.session_id.hex()[:8])
+                self._run(batch, received, False)
             finally:
-                if interp.fatal is not None:
-                    self._on_fatal(*interp.fatal)
-                    interp.fatal = None
                 mem.shared_release(cost)
                 self.done_bytes += cost
                 self.done += 1
+
+    def _run(self, batch: list[list[Any]], received: float, inline: bool) -> None:
+        """Run one batch (on the worker, or inline on the loop); a session-level error it raised ends
+        the session."""
+        try:
+            self.interp.run_batch(batch, received, inline)
+        except Exception:  # never let one batch kill the worker (or the loop)
+            log.exception("session %s: batch failed", self.session_id.hex()[:8])
+        fatal, self.interp.fatal = self.interp.fatal, None
+        if fatal is not None:
+            self._on_fatal(*fatal)
 
     def submit(self, batch: list[list[Any]], frame_bytes: int = 0) -> bool:
         """On the loop: run a tiny, cheap batch inline when the worker is idle (True), else queue it."""
         received = time.perf_counter() if self.interp.probe.active else 0.0
         if self.inline and self.queued == self.done and self.interp.cheap(batch):
-            try:
-                with np.errstate(all="ignore"):
-                    self.interp.run_batch(batch, received, True)
-            except Exception:
-                log.exception("session %s: batch failed", self.session_id.hex()[:8])
-            if self.interp.fatal is not None:
-                self._on_fatal(*self.interp.fatal)
-                self.interp.fatal = None
+            with np.errstate(all="ignore"):
+                self._run(batch, received, True)
             return True
         cost = frame_bytes if batch[0][0] == m.UPLOAD else frame_bytes * DECODED_FACTOR
         self.mem.shared_charge(cost)
