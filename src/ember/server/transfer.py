@@ -368,10 +368,11 @@ async def _receive_striped(address: str, conn: FrameConnection, hdr: dict[str, A
     transfer stream opened here (``protocol.lanes``), all side by side, each in order."""
     from ..transport import dial
     k, key, chunk = hdr.get("lanes"), hdr.get("lane_key"), hdr.get("chunk")
-    if type(k) is not int or not 1 <= k <= pl.MAX_LANES or not isinstance(key, bytes) or len(key) != 32 \
-            or type(chunk) is not int or chunk <= 0 or len(pl.stripe_bounds(len(view), chunk, k)) != k:
+    well_formed = type(k) is int and 1 <= k <= pl.MAX_LANES and isinstance(key, bytes) and len(key) == 32 \
+        and type(chunk) is int and chunk > 0
+    bounds = pl.stripe_bounds(len(view), chunk, k) if well_formed else []
+    if not well_formed or len(bounds) != k:
         raise TransferError(f"the source peer sent a malformed striped header: {str(hdr)[:120]}")
-    bounds = pl.stripe_bounds(len(view), chunk, k)
 
     async def lane(i: int) -> None:
         try:
