@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import ssl
 import sys
 from typing import Any
 
 from ..errors import EmberError
 from ..server import Server
-from ..server.auth import all_of, allowlist_authorizer, read_peer_list, read_secret_file, token_authorizer
+from ..server.auth import all_of, allowlist_authorizer, peer_id, read_peer_list, read_secret_file, token_authorizer
 from ..server.memory import parse_size
 from ..transport.websocket import is_loopback
 
@@ -82,11 +81,7 @@ def build_server(args: argparse.Namespace) -> Server:
                          "--insecure serves anyway; 127.0.0.1 serves this host only")
     auth = all_of(allowlist_authorizer(allowed) if allowed else None,
                   token_authorizer(token.encode()) if token else None)
-    peers = getattr(args, "admin_peer", None) or []
-    for p in peers:
-        if not re.fullmatch(r"[0-9a-fA-F]{64}", p):
-            raise EmberError(f"--admin-peer {p[:70]!r} is not an iroh peer id",
-                             hint="a peer id is 64 hex characters (`ember keygen` prints one)")
+    peers = [peer_id(p, "--admin-peer") for p in getattr(args, "admin_peer", None) or []]
     server = Server(args.device or ["cpu"], authorizer=auth, max_sessions=args.max_sessions,
                     admin_tokens=admin_tokens(args), admin_peers=peers,
                     memory_limit=getattr(args, "memory_limit", None), session_memory=getattr(args, "session_memory", None),

@@ -21,6 +21,17 @@ Authorizer = Callable[[str | None, int, bytes], "bool | str | None"]
 _PEER_ID = re.compile(r"[0-9a-f]{64}")
 
 
+def peer_id(text: str, what: str = "") -> str:
+    """``text`` as a normalised iroh peer id (64 lowercase hex characters); EmberError naming ``what``
+    (e.g. ``--admin-peer``) otherwise."""
+    p = text.strip().lower()
+    if not _PEER_ID.fullmatch(p):
+        raise EmberError(f"{what + ' ' if what else ''}{p[:70]!r} is not an iroh peer id",
+                         hint="a peer id is 64 hex characters; `ember keygen` prints one, `ember serve` "
+                              "prints its own as `iroh peer-id`")
+    return p
+
+
 def token_authorizer(*tokens: bytes) -> Authorizer:
     """Accept sessions whose credential equals one of ``tokens`` (constant-time compare)."""
 
@@ -37,14 +48,7 @@ def allowlist_authorizer(peer_ids: Iterable[str]) -> Authorizer:
 
     Raises EmberError for an id that is not 64 hex characters (a typo must not silently
     lock everyone out, or let nobody in)."""
-    allowed = set()
-    for p in peer_ids:
-        p = p.strip().lower()
-        if not _PEER_ID.fullmatch(p):
-            raise EmberError(f"not an iroh peer id: {p[:70]!r}",
-                             hint="a peer id is 64 hex characters; `ember keygen` prints one, `ember serve` "
-                                  "prints its own as `iroh peer-id`")
-        allowed.add(p)
+    allowed = {peer_id(p) for p in peer_ids}
 
     def check(peer_id: str | None, device: int, credential: bytes) -> bool | str:
         if peer_id is None or peer_id.lower() in allowed:
@@ -103,5 +107,5 @@ def read_peer_list(path: str) -> list[str]:
     return [i for i in ids if i]
 
 
-__all__ = ["Authorizer", "token_authorizer", "allowlist_authorizer", "all_of", "read_secret_file",
+__all__ = ["Authorizer", "peer_id", "token_authorizer", "allowlist_authorizer", "all_of", "read_secret_file",
            "read_peer_list"]
