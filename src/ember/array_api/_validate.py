@@ -158,11 +158,6 @@ def real(name: str, v: Any) -> int | float:
     raise TypeError(f"{name} must be a real number, got {_kind(v)}")
 
 
-def wire_int(v: int) -> bool:
-    """Can MessagePack carry this int? (-2**63 .. 2**64 - 1)"""
-    return I64_MIN <= v < 1 << 64
-
-
 def literal(v: Any, dt: DType) -> Any:
     """The literal to send for a Python scalar ``v`` already accepted for an array of dtype ``dt``
     (``_dtypes.scalar_ok``): an int beyond 64 bits with a floating dtype travels as a float, as NumPy
