@@ -10,7 +10,7 @@ straight into the destination array.
 from __future__ import annotations
 
 import reprlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgpack
 
@@ -145,11 +145,17 @@ def read_frames(req: int, dtype: str, shape: list[int], flat: memoryview,
     yield data_prefix([req, m.OK, [dtype, shape, last, None, total]]), flat[last:]
 
 
-def chunk_frames(flat: memoryview, chunk: int) -> Iterator[tuple[bytes, memoryview]]:
-    """A transfer stream's bytes as data frames ``[offset, nil, total]``."""
+def chunked(head: Callable[[int], list[Any]], flat: memoryview, lo: int, hi: int,
+            chunk: int) -> Iterator[tuple[bytes, memoryview]]:
+    """Data frames of bytes ``[lo, hi)`` of ``flat``, ``chunk`` at a time, each under ``head(offset)``."""
+    for off in range(lo, hi, chunk):
+        yield data_prefix(head(off)), flat[off:min(hi, off + chunk)]
+
+
+def chunk_frames(flat: memoryview, chunk: int, lo: int = 0, hi: int | None = None) -> Iterator[tuple[bytes, memoryview]]:
+    """A transfer stream's bytes (all, or the stripe ``[lo, hi)``) as data frames ``[offset, nil, total]``."""
     total = len(flat)
-    for off in range(0, total, chunk):
-        yield data_prefix([off, None, total]), flat[off:off + chunk]
+    return chunked(lambda off: [off, None, total], flat, lo, total if hi is None else hi, chunk)
 
 
 # ---- handshake -----------------------------------------------------------------

@@ -56,27 +56,18 @@ def upload_stripe(tid: int, dtype: str, shape: list[int], flat: memoryview, lo: 
                   chunk: int) -> Iterator[tuple[bytes, memoryview]]:
     """Data frames of one stripe of an upload (heads as ``codec.upload_frames``)."""
     total = len(flat)
-    for off in range(lo, hi, chunk):
-        yield codec.data_prefix([m.UPLOAD, tid, dtype, shape, off, None, total]), flat[off:min(hi, off + chunk)]
+    return codec.chunked(lambda off: [m.UPLOAD, tid, dtype, shape, off, None, total], flat, lo, hi, chunk)
 
 
 def read_stripe(req: int, flat: memoryview, lo: int, hi: int, chunk: int) -> Iterator[tuple[bytes, memoryview]]:
     """CHUNK data frames of one stripe of a read answer."""
     total = len(flat)
-    for off in range(lo, hi, chunk):
-        yield codec.data_prefix([req, m.CHUNK, [off, None, total]]), flat[off:min(hi, off + chunk)]
+    return codec.chunked(lambda off: [req, m.CHUNK, [off, None, total]], flat, lo, hi, chunk)
 
 
 def read_done(req: int, dtype: str, shape: list[int], total: int) -> bytes:
     """The OK that ends a striped read answer: a data frame without payload, on the session stream."""
     return codec.data_prefix([req, m.OK, [dtype, shape, total, None, total]])
-
-
-def transfer_stripe(flat: memoryview, lo: int, hi: int, chunk: int) -> Iterator[tuple[bytes, memoryview]]:
-    """Data frames ``[offset, nil, total]`` of one stripe of a download."""
-    total = len(flat)
-    for off in range(lo, hi, chunk):
-        yield codec.data_prefix([off, None, total]), flat[off:min(hi, off + chunk)]
 
 
 class Coverage:
@@ -150,4 +141,4 @@ def agreed_lanes(welcome: dict[str, Any], wanted: int) -> tuple[int, bytes | Non
 
 
 __all__ = ["MAX_LANES", "STRIPE_MIN", "DEFAULT_LANES", "TRANSFER_LANES", "stripe_bounds", "upload_stripe", "read_stripe", "read_done",
-           "transfer_stripe", "Coverage", "encode_attach", "encode_transfer_lane", "decode_first", "agreed_lanes"]
+           "Coverage", "encode_attach", "encode_transfer_lane", "decode_first", "agreed_lanes"]

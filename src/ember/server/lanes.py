@@ -36,8 +36,7 @@ from ..errors import LimitExceeded, ProtocolError, SessionLost, TransferError
 from ..protocol import codec
 from ..protocol import messages as m
 from ..protocol.codec import safe_repr
-from ..protocol.lanes import (MAX_LANES, STRIPE_MIN, Coverage, read_done, read_stripe, stripe_bounds,
-                              transfer_stripe)
+from ..protocol.lanes import MAX_LANES, STRIPE_MIN, Coverage, read_done, read_stripe, stripe_bounds
 from ..transport.loop import all_or_nothing
 from .sizes import upload_fault
 
@@ -404,7 +403,7 @@ async def serve_transfer_lane(lanes: TransferLanes, conn: Any, key: bytes, index
     try:
         await conn.send(codec.packb({"type": "ok"}))
         lo, hi = o.bounds[index]
-        for parts in transfer_stripe(o.flat, lo, hi, o.chunk):
+        for parts in codec.chunk_frames(o.flat, o.chunk, lo, hi):
             await conn.send(parts)
         lanes.served += 1
     finally:

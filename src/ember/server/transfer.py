@@ -276,7 +276,7 @@ async def serve_transfer(hub: TransferHub, conn: FrameConnection, request: dict[
         if striped is not None:  # stripe 0 here, the others on the lanes the target opens
             key, offer = striped
             try:
-                for parts in pl.transfer_stripe(flat, *offer.bounds[0], chunk):
+                for parts in codec.chunk_frames(flat, chunk, *offer.bounds[0]):
                     await conn.send(parts)
                 await asyncio.wait_for(offer.done.wait(), max(1.0, offer.expires - time.monotonic()))
             except asyncio.TimeoutError:
