@@ -165,12 +165,15 @@ class BulkData:
 
     async def _send_upload(self, job: Upload) -> None:
         """Send an upload's data frames; its caller waits until the last one has left."""
-        w, send = job.waiter, self.conn.send
-        for parts in job.frames:
-            await send(parts)
+        await self._send_frames(self.conn, job.frames, job.waiter)
+        job.waiter.set()
+
+    async def _send_frames(self, conn: Any, frames: Any, w: Waiter) -> None:
+        """Upload data frames on ``conn`` (the session stream or a lane), counted into ``w``."""
+        for parts in frames:
+            await conn.send(parts)
             w.done += len(parts[1])
-            self._last_recv = time.monotonic()  # a sign of life (see above)
-        w.set()
+            self._last_recv = time.monotonic()  # a sent chunk is a sign of life (see ClientSession._sender)
 
     # ---- receiving -----------------------------------------------------------------------
     def _sink(self, head: memoryview, n: int) -> Any:

@@ -135,13 +135,9 @@ class LaneData:
         lanes = list(self.lanes)
         if not lanes:
             raise ConnectionError("every lane of this session is gone")
-
-        async def stripe(conn: Any, lo: int, hi: int) -> None:
-            for parts in pl.upload_stripe(job.tid, job.dtype, job.shape, flat, lo, hi, chunk):
-                await conn.send(parts)
-                w.done += len(parts[1])
-                self._last_recv = time.monotonic()  # a sign of life (see ClientSession._sender)
-        await all_or_nothing(stripe(c, lo, hi) for c, (lo, hi) in zip(lanes, pl.stripe_bounds(total, chunk, len(lanes))))
+        send = self._send_frames  # type: ignore[attr-defined]  # (client/bulk.py)
+        await all_or_nothing(send(c, pl.upload_stripe(job.tid, job.dtype, job.shape, flat, lo, hi, chunk), w)
+                             for c, (lo, hi) in zip(lanes, pl.stripe_bounds(total, chunk, len(lanes))))
         w.set()
 
     async def _close_lanes(self) -> None:

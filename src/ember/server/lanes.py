@@ -318,16 +318,10 @@ class SessionLanes:
         total = len(flat)
         conns = list(self.conns)
         if not conns:  # the lanes went away meanwhile: the session stream carries it all
-            for parts in codec.read_frames(job.req, job.dtype, job.shape, flat, chunk):
-                s.bytes_out += len(parts[0]) + len(parts[1])
-                await s.conn.send(parts)
+            await s.send_frames(s.conn, codec.read_frames(job.req, job.dtype, job.shape, flat, chunk))
             return
-
-        async def stripe(conn: Any, lo: int, hi: int) -> None:
-            for parts in read_stripe(job.req, flat, lo, hi, chunk):
-                s.bytes_out += len(parts[0]) + len(parts[1])
-                await conn.send(parts)
-        await all_or_nothing(stripe(c, lo, hi) for c, (lo, hi) in zip(conns, stripe_bounds(total, chunk, len(conns))))
+        await all_or_nothing(s.send_frames(c, read_stripe(job.req, flat, lo, hi, chunk))
+                             for c, (lo, hi) in zip(conns, stripe_bounds(total, chunk, len(conns))))
         done = read_done(job.req, job.dtype, job.shape, total)
         s.bytes_out += len(done)
         await s.conn.send(done)

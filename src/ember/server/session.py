@@ -214,6 +214,12 @@ class Session:
                 self.done_bytes += cost
                 self.done += 1
 
+    async def send_frames(self, conn: FrameConnection, frames: Any) -> None:
+        """Send data frames ``(prefix, payload)`` on ``conn`` (the session stream or a lane), counted."""
+        for parts in frames:
+            self.bytes_out += len(parts[0]) + len(parts[1])
+            await conn.send(parts)
+
     def _run(self, batch: list[list[Any]], received: float, inline: bool) -> None:
         """Run one batch (on the worker, or inline on the loop); a session-level error it raised ends
         the session."""
@@ -330,9 +336,7 @@ async def _send_marked(session: Session, frame: Any) -> None:
             assert session.lanes is not None
             await session.lanes.send_read(frame)
         else:
-            for parts in frame:
-                session.bytes_out += len(parts[0]) + len(parts[1])
-                await session.conn.send(parts)
+            await session.send_frames(session.conn, frame)
     finally:
         session.sending = False
         session.sent(n)
