@@ -405,6 +405,10 @@ class Interpreter(GraphReplay, Holdings):
                 return
             del self._uploads[tid]
             buf, prepaid = entry[0], total
+        self.store_upload(tid, buf, dtype, shape, prepaid)
+
+    def store_upload(self, tid: int, buf: Any, dtype: str, shape: list[int], prepaid: int = 0) -> None:
+        """An upload's bytes, all in, become tensor ``tid`` (``prepaid``: what its assembly was charged)."""
         try:
             arr = np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
             self.put(tid, self.backend.from_host(arr), "upload", prepaid)
@@ -412,14 +416,21 @@ class Interpreter(GraphReplay, Holdings):
         except Exception as e:
             self._fail("upload", [], 0, [tid], e)
 
+    def upload_slot_fault(self, elsewhere: int = 0) -> LimitExceeded | None:
+        """Why one more chunked upload may not begin (``elsewhere``: those assembled outside, on lanes)."""
+        if len(self._uploads) + elsewhere < self.max_uploads:
+            return None
+        return LimitExceeded(f"more than {self.max_uploads} chunked uploads in progress in one session "
+                             "(max_uploads)", hint="upload one array at a time")
+
     def _new_upload(self, tid: int, dtype: str, shape: list[int], total: int) -> Any:
         """The buffer a chunked upload is assembled in, its declared total charged before it exists.
 
         LimitExceeded past ``max_uploads`` or over a memory budget. ``np.empty``: its pages are
         committed as chunks arrive, not for the whole declared total up front."""
-        if len(self._uploads) >= self.max_uploads:
-            raise LimitExceeded(f"more than {self.max_uploads} chunked uploads in progress in one session "
-                                "(max_uploads)", hint="upload one array at a time")
+        full = self.upload_slot_fault()
+        if full is not None:
+            raise full
         self.mem.charge(total, lambda: f"upload of tensor {tid} ({tuple(shape)} {dtype})")
         entry = self._uploads[tid] = (np.empty(total, np.uint8), dtype, shape, total)
         return entry

@@ -164,9 +164,8 @@ class SessionLanes:
         interp = self.session.interp
         bad: Exception | None = upload_fault(interp.backend, dtype, shape, 0, b"", total,
                                              interp.limits["max_tensor"], 0)
-        if bad is None and len(self.assemblies) + len(interp._uploads) >= interp.max_uploads:
-            bad = LimitExceeded(f"more than {interp.max_uploads} chunked uploads in progress in one session "
-                                "(max_uploads)", hint="upload one array at a time")
+        if bad is None:
+            bad = interp.upload_slot_fault(len(self.assemblies))
         if bad is None:
             try:
                 interp.mem.shared_reserve(total, f"upload of tensor {tid} ({tuple(shape)} {dtype})")
@@ -245,12 +244,7 @@ class SessionLanes:
         if a is None:
             return  # the session is ending
         interp.mem.shared_release(a.total)  # the buffer becomes the tensor, charged as one
-        try:
-            arr = np.frombuffer(a.buf, dtype=np.dtype(dtype)).reshape(shape)
-            interp.put(tid, interp.backend.from_host(arr), "upload")
-            interp.poison.pop(tid, None)
-        except Exception as e:
-            interp._fail("upload", [], 0, [tid], e)
+        interp.store_upload(tid, a.buf, dtype, shape)
 
     def _wait(self, tid: int, dtype: str, shape: list[int], total: int) -> tuple[Assembly | None, Exception | None]:
         s, stall = self.session, self.session.limits.stall_timeout
