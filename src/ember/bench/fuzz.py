@@ -127,33 +127,42 @@ class RawSession:
             raise RuntimeError(f"fuzz session refused: {reply}")
         self.ws.send(codec.packb(_setup_batch()))
 
+    def _send(self, frame: bytes) -> None:
+        self.ws.send(frame)
+
+    def _recv(self, timeout: float) -> bytes:
+        return self.ws.recv(timeout=timeout)
+
+    def _closed(self) -> tuple[type[BaseException], ...]:
+        """What a send or receive raises once the peer has closed the session."""
+        import websockets
+        return (websockets.ConnectionClosed,)
+
     def send(self, frame: bytes) -> bool:
         """False when the peer has closed this session."""
-        import websockets
         if self.ws is None:
             self.open()
         try:
-            self.ws.send(frame)
+            self._send(frame)
             return True
-        except websockets.ConnectionClosed:
+        except self._closed():
             self.close()
             return False
 
     def check(self, timeout: float) -> str:
         """'ok' (a SYNC answered), 'closed' (the peer ended the session) or 'hang'."""
-        import websockets
         if self.ws is None:
             return "closed"
         req = next(self.reqs)
         deadline = time.monotonic() + timeout
         try:
-            self.ws.send(codec.packb([[m.SYNC, req]]))
+            self._send(codec.packb([[m.SYNC, req]]))
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.close()
                     return "hang"
-                frame = self.ws.recv(timeout=left)
+                frame = self._recv(left)
                 if codec.is_data(frame):
                     continue
                 try:
@@ -162,10 +171,10 @@ class RawSession:
                     continue
                 if any(isinstance(a, list) and a and a[0] == req for a in answers):
                     return "ok"
-        except TimeoutError:
+        except TimeoutError:  # (before the socket's OSError: a socket timeout is one too)
             self.close()
             return "hang"
-        except websockets.ConnectionClosed:
+        except self._closed():
             self.close()
             return "closed"
 
@@ -211,43 +220,8 @@ class RawTcpSession(RawSession):
             buf += part
         return bytes(buf)
 
-    def send(self, frame: bytes) -> bool:
-        if self.ws is None:
-            self.open()
-        try:
-            self._send(frame)
-            return True
-        except OSError:
-            self.close()
-            return False
-
-    def check(self, timeout: float) -> str:
-        if self.ws is None:
-            return "closed"
-        req = next(self.reqs)
-        deadline = time.monotonic() + timeout
-        try:
-            self._send(codec.packb([[m.SYNC, req]]))
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.close()
-                    return "hang"
-                frame = self._recv(left)
-                if codec.is_data(frame):
-                    continue
-                try:
-                    answers = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-                except Exception:  # noqa: BLE001
-                    continue
-                if any(isinstance(a, list) and a and a[0] == req for a in answers):
-                    return "ok"
-        except TimeoutError:
-            self.close()
-            return "hang"
-        except (ConnectionError, OSError):
-            self.close()
-            return "closed"
+    def _closed(self) -> tuple[type[BaseException], ...]:
+        return (OSError,)  # ConnectionError included
 
 
 def first_frame_case(address: str, frame: bytes) -> None:
