@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import EmberError
 from ..server import Server
+from ..server.limits import ClientLimits
 from ..server.auth import all_of, allowlist_authorizer, peer_id, read_peer_list, read_secret_file, token_authorizer
 from ..server.memory import parse_size
 from ..transport.websocket import is_loopback
@@ -34,15 +35,20 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
                      help="memory budget of each device (e.g. 16GiB; default 75%% of RAM, 90%% of a GPU's memory)")
     lim.add_argument("--session-memory", type=_size, default=None, metavar="SIZE",
                      help="memory budget of each session (default: its device's budget)")
-    lim.add_argument("--max-sessions", type=int, default=256, metavar="N", help="sessions in all (default 256)")
-    lim.add_argument("--max-sessions-per-client", type=int, default=32, metavar="N",
-                     help="sessions per client: iroh peer id, or IP address for WebSocket (default 32; 0: no limit)")
-    lim.add_argument("--max-uploads", type=int, default=8, metavar="N",
-                     help="chunked uploads in progress per session (default 8)")
-    lim.add_argument("--max-tensors", type=int, default=1 << 18, metavar="N", help="tensors per session (default 262144)")
-    lim.add_argument("--max-messages", type=int, default=16384, metavar="N", help="messages per batch (default 16384)")
-    lim.add_argument("--handshake-timeout", type=float, default=10.0, metavar="SECONDS",
-                     help="close connections that send no Hello within this time (default 10)")
+    d = ClientLimits()  # the defaults, and their one source
+    lim.add_argument("--max-sessions", type=int, default=d.max_sessions, metavar="N",
+                     help=f"sessions in all (default {d.max_sessions})")
+    lim.add_argument("--max-sessions-per-client", type=int, default=d.max_sessions_per_client, metavar="N",
+                     help="sessions per client: iroh peer id, or IP address for WebSocket "
+                          f"(default {d.max_sessions_per_client}; 0: no limit)")
+    lim.add_argument("--max-uploads", type=int, default=d.max_uploads, metavar="N",
+                     help=f"chunked uploads in progress per session (default {d.max_uploads})")
+    lim.add_argument("--max-tensors", type=int, default=d.max_tensors, metavar="N",
+                     help=f"tensors per session (default {d.max_tensors})")
+    lim.add_argument("--max-messages", type=int, default=d.max_messages, metavar="N",
+                     help=f"messages per batch (default {d.max_messages})")
+    lim.add_argument("--handshake-timeout", type=float, default=d.handshake_timeout, metavar="SECONDS",
+                     help=f"close connections that send no Hello within this time (default {d.handshake_timeout:g})")
     s.add_argument("--require-relay", action="store_true",
                    help="exit if no iroh relay answers (default: serve on direct addresses and keep retrying)")
     s.add_argument("--no-discovery", action="store_true",
@@ -85,10 +91,11 @@ def build_server(args: argparse.Namespace) -> Server:
     server = Server(args.device or ["cpu"], authorizer=auth, max_sessions=args.max_sessions,
                     admin_tokens=admin_tokens(args), admin_peers=peers,
                     memory_limit=getattr(args, "memory_limit", None), session_memory=getattr(args, "session_memory", None),
-                    max_sessions_per_client=getattr(args, "max_sessions_per_client", 32),
-                    max_uploads=getattr(args, "max_uploads", 8), max_tensors=getattr(args, "max_tensors", 1 << 18),
-                    max_messages=getattr(args, "max_messages", 16384),
-                    handshake_timeout=getattr(args, "handshake_timeout", 10.0))
+                    max_sessions_per_client=getattr(args, "max_sessions_per_client", ClientLimits.max_sessions_per_client),
+                    max_uploads=getattr(args, "max_uploads", ClientLimits.max_uploads),
+                    max_tensors=getattr(args, "max_tensors", ClientLimits.max_tensors),
+                    max_messages=getattr(args, "max_messages", ClientLimits.max_messages),
+                    handshake_timeout=getattr(args, "handshake_timeout", ClientLimits.handshake_timeout))
     server.allowlist = allowed  # type: ignore[attr-defined]
     tls = tls_context(args.tls_cert, args.tls_key) if getattr(args, "tls_cert", None) else None
     for host, port in args.websocket:

@@ -21,6 +21,7 @@ from .backends import Backend, UnknownOp
 from .graph_cache import GraphCache
 from .memory import DeviceMemory, SessionMemory, footprint_for, host_copy_bytes
 from .holdings import SMALL, Holdings, _ELEMENTWISE
+from .limits import ClientLimits
 from .replay import GraphReplay, NeedGraph, Poison, call_text, describe, describe_layouts, limit_poison
 from .sizes import PREDICTED, custom_outputs, upload_fault
 from .telemetry import OFF
@@ -66,9 +67,9 @@ def build_table(backend: Backend) -> dict[str, Callable[..., Any]]:
 
 
 #: Defaults of the per-session limits (``Server(max_uploads=..., max_tensors=...)`` overrides them).
-MAX_PARTIAL_UPLOADS = 8
+MAX_PARTIAL_UPLOADS = ClientLimits.max_uploads
 """Chunked uploads one session may have half-sent at once (each is charged its declared total)."""
-MAX_TENSORS = 1 << 18
+MAX_TENSORS = ClientLimits.max_tensors
 """Tensor ids (values and poisoned ids, each) one session may hold at once."""
 
 

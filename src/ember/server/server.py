@@ -17,7 +17,7 @@ from ..transport.base import FrameConnection, Listener
 from .auth import Authorizer, allowlist_authorizer, all_of, token_authorizer
 from .backends import Backend, make_backend
 from .figures import Figures
-from .interpreter import MAX_PARTIAL_UPLOADS, MAX_TENSORS, build_table
+from .interpreter import build_table
 from .limits import Admission, ClientLimits
 from .memory import DeviceMemory, default_limit, parse_size
 from .session import Session, drive_session
@@ -52,7 +52,7 @@ class Server:
     def __init__(self, devices: Sequence[str | Backend] = ("cpu",), *,
                  authorizer: Authorizer | None = None,
                  custom_ops: dict[str, CustomOp] | None = None,
-                 max_sessions: int = 256,
+                 max_sessions: int = ClientLimits.max_sessions,
                  max_frame: int = m.DEFAULT_MAX_FRAME,
                  chunk: int = m.DEFAULT_CHUNK,
                  max_tensor: int = 1 << 40,
@@ -63,11 +63,11 @@ class Server:
                  admin_peers: Iterable[str] = (),
                  memory_limit: int | str | None = None,
                  session_memory: int | str | None = None,
-                 max_sessions_per_client: int = 32,
-                 max_uploads: int = MAX_PARTIAL_UPLOADS,
-                 max_tensors: int = MAX_TENSORS,
-                 max_messages: int = 16384,
-                 handshake_timeout: float = 10.0,
+                 max_sessions_per_client: int = ClientLimits.max_sessions_per_client,
+                 max_uploads: int = ClientLimits.max_uploads,
+                 max_tensors: int = ClientLimits.max_tensors,
+                 max_messages: int = ClientLimits.max_messages,
+                 handshake_timeout: float = ClientLimits.handshake_timeout,
                  **limits: Any) -> None:
         """``memory_limit``: bytes (or ``"16GiB"``) each device budget holds, default a safe fraction of
         RAM / device memory (host devices share one budget); ``session_memory``: per session, default
