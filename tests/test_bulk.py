@@ -25,6 +25,8 @@ from ember.server import Server
 from ember.transport import tcp
 from ember.transport.base import PREFAULT_MIN, frame_bytes, frame_parts, receive_buffer
 
+from test_core_sessions import wait_until
+
 SIZES = [0, 1, 65536, 65537, 3 * 2**20 + 5]  # empty, inline, the inline bound, just past it, several chunks
 
 
@@ -109,6 +111,28 @@ def test_upload_waits_until_its_bytes_left_so_the_array_may_change_after(peer):
         assert int(xp.sum(xp.astype(x, xp.int64))) == 3 * h.size
     finally:
         d.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_upload_read_into_place_by_the_network_loop_is_charged_and_given_back_exactly():
+    srv = Server(["cpu"], chunk=1 << 20)  # its own peer: nothing else holds memory on it
+    srv.listen_tcp("127.0.0.1", 0)
+    srv.start_in_thread()
+    try:
+        d = ember.connect(srv.addresses[0])
+        x = xp.asarray(np.ones(3 * 2**20 + 5, np.uint8), device=d)  # 4 chunks, read into place by the sink
+        d.sync()
+        s = next(iter(srv.sessions.values()))
+        held = srv.memory_stats()["sessions"][0]["held"]
+        assert 3 * 2**20 + 5 <= held < 3 * 2**20 + (1 << 16) and s.mem._shared == 0  # adopted, not shared
+        assert int(xp.sum(xp.astype(x, xp.int64))) == 3 * 2**20 + 5
+        del x
+        d.sync()
+        assert wait_until(lambda: srv.memory_stats()["sessions"][0]["held"] < 1 << 16)
+        d.close()
+        assert wait_until(lambda: srv.memory_held() == 0)
+    finally:
+        srv.close()
 
 
 def test_read_arrives_straight_into_place_over_tcp(peer):

@@ -116,7 +116,8 @@ class Interpreter(GraphReplay, Holdings):
         self.max_uploads = int(limits.get("max_uploads", MAX_PARTIAL_UPLOADS))
         self.tensors: dict[int, Any] = {}
         self.poison: dict[int, Poison] = {}
-        self._uploads: dict[int, tuple[Any, str, list[int], int]] = {}  # id -> (buffer, dtype, shape, total)
+        # id -> (buffer, dtype, shape, total, reserved by the network loop: a shared charge until adopted)
+        self._uploads: dict[int, tuple[Any, str, list[int], int, bool]] = {}
         self._out_bytes = 0  # bytes of tensor data in the responses being gathered
         self.on_stall: Callable[[], None] | None = None  # the session arms its stall deadline
         self.on_fatal: Callable[..., None] | None = None  # the session ends itself on a session-level error
@@ -405,6 +406,8 @@ class Interpreter(GraphReplay, Holdings):
             if offset + n < total:
                 return
             del self._uploads[tid]
+            if entry[4]:  # reserved by the network loop: the charge becomes this thread's
+                self.mem.adopt_shared(total)
             buf, prepaid = entry[0], total
         self.store_upload(tid, buf, dtype, shape, prepaid)
 
@@ -424,22 +427,27 @@ class Interpreter(GraphReplay, Holdings):
         return LimitExceeded(f"more than {self.max_uploads} chunked uploads in progress in one session "
                              "(max_uploads)", hint="upload one array at a time")
 
-    def _new_upload(self, tid: int, dtype: str, shape: list[int], total: int) -> Any:
-        """The buffer a chunked upload is assembled in, its declared total charged before it exists.
+    def _new_upload(self, tid: int, dtype: str, shape: list[int], total: int, loop: bool = False) -> Any:
+        """The buffer a chunked upload is assembled in, its declared total charged before it exists
+        (``loop``: from the network loop, while the worker may charge the same budget: a shared charge).
 
         LimitExceeded past ``max_uploads`` or over a memory budget. ``np.empty``: its pages are
         committed as chunks arrive, not for the whole declared total up front."""
         full = self.upload_slot_fault()
         if full is not None:
             raise full
-        self.mem.charge(total, lambda: f"upload of tensor {tid} ({tuple(shape)} {dtype})")
-        entry = self._uploads[tid] = (np.empty(total, np.uint8), dtype, shape, total)
+        what = f"upload of tensor {tid} ({tuple(shape)} {dtype})"
+        if loop:
+            self.mem.shared_reserve(total, what)
+        else:
+            self.mem.charge(total, what)
+        entry = self._uploads[tid] = (np.empty(total, np.uint8), dtype, shape, total, loop)
         return entry
 
     def _cancel_upload(self, tid: Any) -> None:
         entry = self._uploads.pop(tid, None)
         if entry is not None:
-            self.mem.release(entry[3])
+            (self.mem.shared_release if entry[4] else self.mem.release)(entry[3])
 
     def upload_target(self, tid: Any, dtype: Any, shape: Any, offset: Any, n: int, total: Any) -> memoryview | None:
         """Where the network loop may read an upload chunk's ``n`` bytes straight into (the
@@ -453,7 +461,7 @@ class Interpreter(GraphReplay, Holdings):
             if offset != 0:
                 return None
             try:
-                entry = self._new_upload(tid, dtype, shape, total)
+                entry = self._new_upload(tid, dtype, shape, total, loop=True)
             except LimitExceeded:
                 return None  # the chunk arrives in its frame; upload() refuses it with the reason
         if (entry[1], entry[2], entry[3]) != (dtype, shape, total):

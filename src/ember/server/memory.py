@@ -258,8 +258,9 @@ class SessionMemory:
     session's interpreter (its worker, or the network loop for an inline batch: one at a time),
     so they take no lock on the hot path; the session draws device memory in slabs of
     :data:`SLAB` bytes under the device's lock and returns what it does not use. ``shared_charge``,
-    ``shared_release`` and ``unhold_later`` may be called from any thread (frames queued for the
-    network, batches queued for the worker, exposures released by another session).
+    ``shared_reserve``, ``shared_release`` and ``unhold_later`` may be called from any thread (frames
+    queued for the network, batches queued for the worker, uploads the network loop reads into place,
+    exposures released by another session); ``adopt_shared`` makes a shared charge the owner's.
     """
 
     SLAB = 1 << 20
@@ -356,6 +357,16 @@ class SessionMemory:
             dev._held += n
             self.peak = max(self.peak, self._held + self._shared)
             dev.peak = max(dev.peak, dev._held)
+
+    def adopt_shared(self, nbytes: int) -> None:
+        """Turn ``nbytes`` of a shared charge into this session's own (its thread, e.g. the worker
+        taking over an upload the network loop reserved); the device's count is unchanged."""
+        with self.device.lock:
+            if self.closed:
+                return
+            n = min(int(nbytes), self._shared)
+            self._shared -= n
+            self._held += n
 
     def shared_release(self, nbytes: int) -> None:
         with self.device.lock:
