@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import LimitExceeded
 from ..protocol import ops
-from .replay import Poison, call_text, limit_poison
+from .replay import Poison, call_text, limit_poison, written_of
 from .sizes import THRESHOLD, predict
 
 _ELEMENTWISE = ops.ELEMENTWISE
@@ -55,14 +55,8 @@ class Holdings:
 
     def _footprints(self, fn: Any, args: Any, kwargs: Any) -> list[tuple[Any, int, int]] | None:
         """(id, buffer key, bytes) of the operands an in-place op writes (ATen ops on torch devices)."""
-        if not self._aten:
-            return None
-        w = getattr(fn, "written", None)
-        if w is None:
-            return None
-        try:
-            ids = [args[p] for p in w(kwargs) if p < len(args)]
-        except Exception:  # noqa: BLE001 - a malformed call fails in the op itself
+        ids = written_of(fn, args, kwargs)
+        if not ids:
             return None
         t, fp = self.tensors, self._fp
         return [(i, *fp(t[i])) for i in ids if type(i) is int and i in t]

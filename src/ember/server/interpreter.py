@@ -22,7 +22,7 @@ from .graph_cache import GraphCache
 from .memory import DeviceMemory, SessionMemory, footprint_for, host_copy_bytes
 from .holdings import SMALL, Holdings, _ELEMENTWISE
 from .limits import ClientLimits
-from .replay import GraphReplay, NeedGraph, Poison, call_text, describe, describe_layouts, limit_poison
+from .replay import GraphReplay, NeedGraph, Poison, call_text, describe, describe_layouts, written_of
 from .sizes import PREDICTED, custom_outputs, upload_fault
 from .telemetry import OFF
 
@@ -275,13 +275,11 @@ class Interpreter(GraphReplay, Holdings):
                 else:
                     reserved = self._reserve(name, vals, kwargs)
             written = self._footprints(fn, args, kwargs) if self._aten else None
-            if reserved:
-                try:
-                    res = fn(*vals, **kwargs) if kwargs else fn(*vals)
-                finally:
-                    self.mem.release(reserved)
-            else:
+            try:
                 res = fn(*vals, **kwargs) if kwargs else fn(*vals)
+            finally:
+                if reserved:
+                    self.mem.release(reserved)
             if written:
                 self._recharge(written, name)
             if len(outs) == 1:
@@ -293,18 +291,9 @@ class Interpreter(GraphReplay, Holdings):
                 name = safe_repr(name)
             self._fail(name, args, smask, self._with_written(outs, name, args, kwargs), e, kwargs)
 
-    def _written(self, name: str, args: Any, kwargs: Any) -> list[Any]:
-        """Ids of the inputs an op writes in place (ATen in-place and out= ops): poisoned when it fails."""
-        w = getattr(self.table.get(name), "written", None)
-        if w is None:
-            return []
-        try:
-            return [args[p] for p in w(kwargs) if p < len(args)]
-        except Exception:
-            return []
-
     def _with_written(self, outs: Any, name: str, args: Any, kwargs: Any) -> Any:
-        w = self._written(name, args, kwargs)
+        """The ids a failed op poisons: its outputs and the inputs it writes in place."""
+        w = written_of(self.table.get(name), args, kwargs)
         if not w:
             return outs
         try:
@@ -335,17 +324,9 @@ class Interpreter(GraphReplay, Holdings):
             ids = []
         name = name if isinstance(name, str) else safe_repr(name)
         upstream = next((self.poison[i] for i in ids if i in self.poison), None)
-        if upstream is not None:
-            poison = upstream
-        elif isinstance(e, LimitExceeded):
-            poison = limit_poison(name, self.backend.spec, e)
-            self.probe.error(self.label, "LimitExceeded", type(e).__name__, name, poison.error["message"], True)
-        else:
-            msg = self._why(name, e, [i for i in ids if i not in self.tensors])
-            desc = describe_layouts(kwargs) or describe([self.tensors.get(i, "?") for i in ids])
-            poison = Poison({"kind": "RemoteExecutionError", "op": name,
-                             "message": f"op {name}({desc}) failed on {self.backend.spec}: {msg}"})
-            self.probe.error(self.label, "RemoteExecutionError", type(e).__name__, name, poison.error["message"], True)
+        poison = upstream if upstream is not None else self._op_poison(
+            name, e, [i for i in ids if i not in self.tensors],
+            lambda: describe_layouts(kwargs) or describe([self.tensors.get(i, "?") for i in ids]))
         self._set_poison(outs, poison)
 
     def custom(self, msg: list[Any], out: list[list[Any]]) -> None:

@@ -10,7 +10,7 @@ graph is validated and compiled). It relies on the interpreter's state: ``tensor
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import LimitExceeded, ProtocolError, to_wire
 from ..protocol import messages as m
@@ -22,6 +22,18 @@ from .sizes import PREDICTED
 #: per tiny op cost a quarter of a chain of tiny ops' throughput; the overshoot is at most SLACK.
 SMALL_RESULT = 1 << 16
 SLACK = 1 << 20
+
+
+def written_of(fn: Any, operands: Any, kwargs: Any) -> list[Any]:
+    """The operands (ids, or registers) a call of ``fn`` writes in place: ATen in-place and out=
+    ops say which (``fn.written``); none for anything else, or for a call too malformed to tell."""
+    w = getattr(fn, "written", None)
+    if w is None:
+        return []
+    try:
+        return [operands[p] for p in w(kwargs or {}) if p < len(operands)]
+    except Exception:  # noqa: BLE001 - a malformed call fails in the op itself
+        return []
 
 
 def store_results(store: Any, outs: list[int], res: Any, name: str) -> None:
@@ -249,7 +261,7 @@ class GraphReplay:
                     p = self._replay_poison(name, [R[r] for r in tregs], e, kw)
                     for o in oregs:
                         R[o] = p
-                    for r in self._written_regs(fn, regs, kw):  # in-place ops poison what they write
+                    for r in written_of(fn, regs, kw):  # in-place ops poison what they write
                         R[r] = p
                         if r < n_in:
                             spoiled[ins[r]] = p
@@ -270,27 +282,22 @@ class GraphReplay:
         for k in g.consumed:
             self.forget(ins[k])
 
-    @staticmethod
-    def _written_regs(fn: Any, regs: tuple[int, ...], kw: Any) -> list[int]:
-        w = getattr(fn, "written", None)
-        if w is None:
-            return []
-        try:
-            return [regs[p] for p in w(kw or {}) if p < len(regs)]
-        except Exception:  # noqa: BLE001
-            return []
-
     def _replay_poison(self, name: str, vals: list[Any], e: Exception, kw: Any = None) -> Poison:
         """What ``_fail`` would have made of this op sent alone (same message, same upstream poison)."""
         upstream = next((v for v in vals if type(v) is Poison), None)
         if upstream is not None:
             return upstream
+        return self._op_poison(name, e, [v.tid for v in vals if type(v) is Missing],
+                               lambda: describe_layouts(kw) or describe(["?" if type(v) is Missing else v for v in vals]))
+
+    def _op_poison(self, name: str, e: Exception, missing: list[Any], desc: Callable[[], str]) -> Poison:
+        """The poison of an op that failed with ``e`` (``missing``: its unknown input ids; ``desc``: its
+        arguments in words), reported to telemetry."""
         if isinstance(e, LimitExceeded):
             p = limit_poison(name, self.backend.spec, e)
         else:
-            msg = self._why(name, e, [v.tid for v in vals if type(v) is Missing])  # type: ignore[attr-defined]
-            desc = describe_layouts(kw) or describe(["?" if type(v) is Missing else v for v in vals])
+            msg = self._why(name, e, missing)  # type: ignore[attr-defined]
             p = Poison({"kind": "RemoteExecutionError", "op": name,
-                        "message": f"op {name}({desc}) failed on {self.backend.spec}: {msg}"})
+                        "message": f"op {name}({desc()}) failed on {self.backend.spec}: {msg}"})
         self.probe.error(self.label, p.error["kind"], type(e).__name__, name, p.error["message"], True)
         return p
