@@ -356,7 +356,9 @@ def jax_ops(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
         def g(x: Any) -> Any:
             if not xp.isdtype(x.dtype, "complex floating"):
                 return f(x)
-            return xp.where(xp.signbit(xp.imag(x)), xp.conj(f(xp.conj(x))), f(x))
+            lower = xp.signbit(xp.imag(x))
+            y = f(xp.where(lower, xp.conj(x), x))  # f once, on the upper half plane
+            return xp.where(lower, xp.conj(y), y)
         return g
 
     for name in ops.ELEMENTWISE:
