@@ -119,7 +119,7 @@ def physical_memory() -> int | None:
     return total
 
 
-def default_limit(kind: str, device_memory: int | None, on_host: bool) -> int | None:
+def default_limit(device_memory: int | None, on_host: bool) -> int | None:
     """The default budget of a device (None: unknown, unbounded)."""
     if on_host:
         ram = physical_memory()
@@ -438,9 +438,6 @@ class SessionMemory:
     def held(self) -> int:
         """Bytes this session holds (its charges and the shared ones; not its unused slab credit)."""
         return self._held + self._shared
-
-    def buffers(self) -> int:
-        return len(self._bufs)
 
     def stats(self) -> dict[str, Any]:
         return {"session": self.label, "limit": self.limit, "held": self.held(), "peak": self.peak,

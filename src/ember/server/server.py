@@ -216,11 +216,11 @@ class Server:
         for b in self.backends:
             if _on_host(b):
                 if host is None:
-                    host = DeviceMemory(limit if limit is not None else default_limit(b.kind, None, True),
+                    host = DeviceMemory(limit if limit is not None else default_limit(None, True),
                                         "host")
                 out.append(host)
             else:
-                out.append(DeviceMemory(limit if limit is not None else default_limit(b.kind, b.memory, False),
+                out.append(DeviceMemory(limit if limit is not None else default_limit(b.memory, False),
                                         b.spec))
         return out
 

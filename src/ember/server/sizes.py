@@ -291,7 +291,7 @@ def custom_outputs(specs: Any) -> int:
 
 PREDICTORS: dict[str, Callable[..., int]] = {name: _elementwise_for(name) for name in ops.ELEMENTWISE}
 PREDICTORS.update({
-    "where": _elementwise_for("where"), "clip": _elementwise_for("clip"),
+    "where": _elementwise_for("where"),
     "take_along_axis": _elementwise_for("take_along_axis"), "linalg.cross": _elementwise_for("cross"),
     "vecdot": _elementwise_for("vecdot"), "linalg.vecdot": _elementwise_for("vecdot"),
     "zeros": _creation, "ones": _creation, "empty": _creation, "full": _creation,
