@@ -104,6 +104,12 @@ def decode_data_head(head: Any) -> list[Any]:
     return h
 
 
+def is_upload_head(h: list[Any]) -> bool:
+    """Is a client's data frame head an upload chunk, ``[UPLOAD, id, dtype, shape, offset, nil, total]``
+    (the only data frame a client sends)?"""
+    return len(h) == 7 and h[0] == m.UPLOAD and h[5] is None
+
+
 def decode_data(frame: Any) -> tuple[list[Any], memoryview]:
     """(head, payload) of a data frame. The payload is empty when the transport already put it
     where the data sink asked (see ``transport.base``)."""

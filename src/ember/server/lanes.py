@@ -143,7 +143,7 @@ class SessionLanes:
     def _place(self, h: list[Any], n: int) -> memoryview | None:
         """Where the ``n`` bytes of the upload chunk with head ``h`` go (None: refused, or of a
         refused upload); marks the chunk as arrived."""
-        if len(h) != 7 or h[0] != m.UPLOAD or h[5] is not None or type(h[1]) is not int:
+        if not codec.is_upload_head(h) or type(h[1]) is not int:
             return None
         _, tid, dtype, shape, off, _, total = h
         a = self.assemblies.get(tid)
@@ -188,7 +188,7 @@ class SessionLanes:
         if not codec.is_data(frame):
             raise ProtocolError("a lane carries upload chunks (data frames) only")
         head, payload = codec.decode_data(frame)
-        if len(head) != 7 or head[0] != m.UPLOAD or head[5] is not None:
+        if not codec.is_upload_head(head):
             raise ProtocolError(f"a lane carries upload chunks only, got {safe_repr(head)}")
         tid, off = head[1], head[4]
         if len(payload):  # a transport without a data sink (WebSocket): the chunk came whole

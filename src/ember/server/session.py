@@ -293,7 +293,7 @@ class Session:
             h = codec.decode_data_head(head)
         except ProtocolError:
             return None
-        if len(h) != 7 or h[0] != m.UPLOAD or h[5] is not None:
+        if not codec.is_upload_head(h):
             return None
         dest = self.interp.upload_target(h[1], h[2], h[3], h[4], n, h[6])
         if dest is not None:
@@ -303,7 +303,7 @@ class Session:
     def data_message(self, frame: Any) -> list[Any]:
         """The UPLOAD message a data frame carries (its bytes, or ``Placed`` when the sink put them)."""
         head, payload = codec.decode_data(frame)
-        if len(head) != 7 or head[0] != m.UPLOAD or head[5] is not None:
+        if not codec.is_upload_head(head):
             raise ProtocolError(f"a data frame from a client must carry one Upload, got {str(head)[:80]}")
         placed = self._placed.pop((head[1], head[4]), None) if not len(payload) else None
         head[5] = Placed(placed) if placed is not None else payload
