@@ -62,16 +62,19 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _token(args: argparse.Namespace) -> str | None:
-    if getattr(args, "token_file", None):
-        if args.token:
-            raise EmberError("both --token and --token-file given", hint="pass one of them")
-        return read_secret_file(args.token_file, "token")
-    return args.token or os.environ.get("EMBER_TOKEN") or None
+def _secret(args: argparse.Namespace, flag: str, env: str, what: str) -> str | None:
+    """A secret from ``--FLAG``, ``--FLAG-file`` or the environment variable ``env`` (one flag at most)."""
+    name = flag.replace("-", "_")
+    value, path = getattr(args, name, None), getattr(args, name + "_file", None)
+    if value and path:
+        raise EmberError(f"both --{flag} and --{flag}-file given", hint="pass one of them")
+    if path:
+        return read_secret_file(path, what)
+    return value or os.environ.get(env) or None
 
 
 def build_server(args: argparse.Namespace) -> Server:
-    token = _token(args)
+    token = _secret(args, "token", "EMBER_TOKEN", "token")
     allowed = list(getattr(args, "allow", None) or [])
     if getattr(args, "allow_file", None):
         allowed += read_peer_list(args.allow_file)
@@ -111,12 +114,7 @@ def build_server(args: argparse.Namespace) -> Server:
 
 def admin_tokens(args: argparse.Namespace) -> list[str]:
     """The admin token from --admin-token, --admin-token-file or EMBER_ADMIN_TOKEN (at most one kind)."""
-    token, path = getattr(args, "admin_token", None), getattr(args, "admin_token_file", None)
-    if token and path:
-        raise EmberError("--admin-token and --admin-token-file both given", hint="pass one of them")
-    if path:
-        token = read_secret_file(path, "admin token")
-    token = token or os.environ.get("EMBER_ADMIN_TOKEN") or None
+    token = _secret(args, "admin-token", "EMBER_ADMIN_TOKEN", "admin token")
     return [token] if token else []
 
 
