@@ -241,23 +241,21 @@ async def serve_transfer(hub: TransferHub, conn: FrameConnection, request: dict[
     probe = probe or OFF
     who = conn.peer_id or conn.remote
     cap, wait = request.get("capability"), request.get("wait", 300.0)
+
+    async def deny(reason: str, error: str | None = None) -> None:
+        probe.transfer(None, who, "serve", "failed", error=error or reason)
+        await conn.send(codec.packb({"type": "denied", "reason": reason}))
     if not isinstance(cap, bytes) or len(cap) != 32:
-        probe.transfer(None, who, "serve", "failed", error="malformed capability")
-        await conn.send(codec.packb({"type": "denied", "reason": "malformed capability"}))
-        return
+        return await deny("malformed capability")
     if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= MAX_TTL:
-        probe.transfer(None, who, "serve", "failed", error="malformed wait")
-        await conn.send(codec.packb({"type": "denied", "reason": f"malformed wait {str(wait)[:40]}"}))
-        return
+        return await deny(f"malformed wait {str(wait)[:40]}", "malformed wait")
     t0 = time.monotonic()
     try:
         value, backend = await hub.claim(cap, conn.peer_id, float(wait))
         host = await asyncio.to_thread(backend.to_host, value)
     except TransferError as e:
         log.info("transfer to %s denied: %s", who, e.message)
-        probe.transfer(None, who, "serve", "failed", error=e.message)
-        await conn.send(codec.packb({"type": "denied", "reason": e.message}))
-        return
+        return await deny(e.message)
     flat = memoryview(host.reshape(-1).view(np.uint8))
     features = codec.agreed_features(request.get("features"))
     data = m.DATA_FEATURE in features
