@@ -44,6 +44,10 @@ class Holdings:
             na, nb = getattr(a, "nbytes", 0), getattr(b, "nbytes", 0)
             if na < SMALL and nb < SMALL and (not na or not nb or a.shape == b.shape):
                 return 0  # at most 8x an operand under THRESHOLD / 16: charged once it exists
+        return self._reserve_predicted(name, vals, kwargs)
+
+    def _reserve_predicted(self, name: str, vals: list[Any], kwargs: Any) -> int:
+        """``_reserve`` past its small-elementwise check (which the interpreter inlines)."""
         need = predict(name, vals, kwargs, self.backend.xp)
         if not need:
             return 0

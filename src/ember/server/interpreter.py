@@ -271,7 +271,7 @@ class Interpreter(GraphReplay, Holdings):
                     a, b = vals[0], vals[-1]
                     na, nb = getattr(a, "nbytes", 0), getattr(b, "nbytes", 0)
                     if not (na < SMALL and nb < SMALL and (not na or not nb or a.shape == b.shape)):
-                        reserved = self._reserve(name, vals, kwargs)
+                        reserved = self._reserve_predicted(name, vals, kwargs)
                 else:
                     reserved = self._reserve(name, vals, kwargs)
             written = self._footprints(fn, args, kwargs) if self._aten else None
