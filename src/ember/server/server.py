@@ -281,8 +281,7 @@ class Server:
                 await lst.stop()
             except Exception:
                 log.exception("stopping listener")
-        for s in list(self.sessions.values()):
-            await s.conn.close()
+        await asyncio.gather(*(_close_quietly(s.conn) for s in list(self.sessions.values())))
         for _ in range(200):  # let the pumps end (and report) their sessions, at most 2 s
             if not self.telemetry.sessions:
                 break
@@ -354,6 +353,14 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _close_quietly(conn: Any, timeout: float = 3.0) -> None:
+    """Close one session's connection, bounded: a silent peer does not hold the server's stop."""
+    try:
+        await asyncio.wait_for(conn.close(), timeout)
+    except Exception:
+        log.debug("closing %s", getattr(conn, "remote", conn), exc_info=True)
 
 
 __all__ = ["Server", "Authorizer", "token_authorizer", "allowlist_authorizer", "all_of", "parse_devices"]

@@ -25,15 +25,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+#: Seconds a closing WebSocket waits for the other side's close frame.
+CLOSE_TIMEOUT = 2.0
+
 #: Frames a server connection buffers before it stops reading the socket (TCP back-pressure).
 SERVER_QUEUE = 4
 
 
 def _ws_options(max_frame: int) -> dict[str, Any]:
     # Compression off (tensor bytes don't compress, and it costs CPU); Ember runs
-    # its own heartbeat, so the library's pings are off too.
+    # its own heartbeat, so the library's pings are off too. A close waits at most
+    # CLOSE_TIMEOUT for the other side's answer (the library's 10 s held a server's
+    # stop that long per silent peer).
     return {"max_size": max_frame + 4096, "compression": None, "ping_interval": None,
-            "max_queue": 64, "write_limit": 1 << 20}
+            "max_queue": 64, "write_limit": 1 << 20, "close_timeout": CLOSE_TIMEOUT}
 
 
 class WebSocketConnection:
