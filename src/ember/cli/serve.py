@@ -49,6 +49,9 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
                      help=f"messages per batch (default {d.max_messages})")
     lim.add_argument("--handshake-timeout", type=float, default=d.handshake_timeout, metavar="SECONDS",
                      help=f"close connections that send no Hello within this time (default {d.handshake_timeout:g})")
+    lim.add_argument("--idle-timeout", type=float, default=d.idle_timeout, metavar="SECONDS",
+                     help="end sessions whose client sent nothing for this long while their work was done "
+                          f"(a vanished host or link; clients ping well within it; default {d.idle_timeout:g}; 0: never)")
     s.add_argument("--require-relay", action="store_true",
                    help="exit if no iroh relay answers (default: serve on direct addresses and keep retrying)")
     s.add_argument("--no-discovery", action="store_true",
@@ -98,7 +101,8 @@ def build_server(args: argparse.Namespace) -> Server:
                     max_uploads=getattr(args, "max_uploads", ClientLimits.max_uploads),
                     max_tensors=getattr(args, "max_tensors", ClientLimits.max_tensors),
                     max_messages=getattr(args, "max_messages", ClientLimits.max_messages),
-                    handshake_timeout=getattr(args, "handshake_timeout", ClientLimits.handshake_timeout))
+                    handshake_timeout=getattr(args, "handshake_timeout", ClientLimits.handshake_timeout),
+                    idle_timeout=getattr(args, "idle_timeout", ClientLimits.idle_timeout))
     server.allowlist = allowed  # type: ignore[attr-defined]
     tls = tls_context(args.tls_cert, args.tls_key) if getattr(args, "tls_cert", None) else None
     for host, port in args.websocket:

@@ -56,24 +56,19 @@ class ClientSession(BulkData, LaneData):
                  graphs: bool = True, graph_min_ops: int = 8, graph_max_ops: int = 1024,
                  graph_hold: float = 0.02, graph_min_period: int = 128, lanes: int = 0,
                  dial_lane: Any = None, session_id: bytes = b"") -> None:
-        self.conn = conn
-        self.welcome = welcome
-        self.loop = loop
-        self.address = address
-        self.device = device
-        self.read_timeout = read_timeout
-        self.idle_flush = idle_flush
-        self.max_batch = max_batch
+        self.conn, self.welcome, self.loop, self.address, self.device = conn, welcome, loop, address, device
+        self.read_timeout, self.idle_flush, self.max_batch = read_timeout, idle_flush, max_batch
         self.hb_interval, self.hb_timeout = heartbeat_interval, heartbeat_timeout
         limits = welcome.get("limits", {})
+        idle = float(limits.get("idle_timeout") or 0)  # the peer ends sessions silent that long
+        self.idle_ping = idle / 4 if idle > 0 else None
         self.max_frame = int(limits.get("max_frame", m.DEFAULT_MAX_FRAME))
         self.chunk = int(limits.get("chunk", m.DEFAULT_CHUNK))
         self.max_tensor = limits.get("max_tensor")        # what the peer accepts: refused here, before sending
         self.session_memory = limits.get("session_memory")
         if limits.get("max_messages"):  # the peer ends a session whose batch is longer (a few messages spare)
             self.max_batch = max_batch = max(1, min(max_batch, (int(limits["max_messages"]) - 2) // 2))
-        self.ids = itertools.count(1)
-        self._reqs = itertools.count(1)
+        self.ids, self._reqs = itertools.count(1), itertools.count(1)
         self._lock = threading.Lock()
         self._pending: list[list[Any]] = []
         self._drops: deque[int] = deque()
@@ -90,8 +85,7 @@ class ClientSession(BulkData, LaneData):
         gcap = int(limits.get("graph_cache", 0))
         self._g_on = bool(graphs) and gcap > 0
         self._g_min, self._g_max = max(2, graph_min_ops), min(graph_max_ops, max_batch, m.MAX_GRAPH_OPS)
-        self.graph_hold = graph_hold
-        self.graph_min_period = graph_min_period
+        self.graph_hold, self.graph_min_period = graph_hold, graph_min_period
         self._grp: list[list[Any]] | None = [] if self._g_on else None
         self._grp_drops: list[int] = []
         self._cand: Candidate | None = None
@@ -108,7 +102,7 @@ class ClientSession(BulkData, LaneData):
         if self.data and set_sink is not None:
             set_sink(self._sink)
         self._wake = asyncio.Event()
-        self._last_recv = time.monotonic()
+        self._last_recv = self._pinged = time.monotonic()
         self._tasks = [loop.create_task(self._receiver()), loop.create_task(self._sender()),
                        loop.create_task(self._heartbeat())]
         _sessions.add(self)
@@ -516,20 +510,28 @@ class ClientSession(BulkData, LaneData):
         try:
             while self.lost is None:
                 await asyncio.sleep(self.hb_interval)
-                if not self._waiters:
-                    self._last_recv = time.monotonic()
+                now = time.monotonic()
+                if not self._waiters and self._pinged <= self._last_recv:  # idle, nothing unanswered
+                    if self.idle_ping is not None and now - self._pinged >= self.idle_ping:
+                        self._pinged = now  # a Ping now and then says we are here, and hears the peer
+                        self._ping()
+                    else:
+                        self._last_recv = now  # (silence is no fault while nothing was asked)
                     continue
-                silent = time.monotonic() - self._last_recv
-                if silent > self.hb_timeout:
+                if now - self._last_recv > self.hb_timeout:
                     self._fail_all(SessionLost(
-                        f"peer {self.address} did not answer for {silent:.1f} s; it is gone or unreachable",
-                        hint="check the peer process; new work on this device reconnects"))
+                        f"peer {self.address} did not answer for {now - self._last_recv:.1f} s; it is gone or "
+                        "unreachable", hint="check the peer process; new work on this device reconnects"))
                     return
-                with self._lock:
-                    self._frames.append(codec.packb([[m.PING, 0]]))
-                self._wake.set()
+                if self._waiters:
+                    self._ping()
         except asyncio.CancelledError:
             pass
+
+    def _ping(self) -> None:
+        with self._lock:
+            self._frames.append(codec.packb([[m.PING, 0]]))
+        self._wake.set()
 
     def _fail_all(self, err: EmberError) -> None:
         if self.lost is None:

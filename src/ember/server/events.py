@@ -43,7 +43,7 @@ class SessionClosed:
     device: int
     admin: bool
     duration_s: float
-    reason: str             # client_closed | disconnected | lost | protocol_error | server_stopping
+    reason: str             # client_closed | disconnected | lost | silent | protocol_error | server_stopping
     why: str                # the same, in words
     figures: dict[str, int]  # see ``counters``
 

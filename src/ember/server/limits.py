@@ -17,6 +17,8 @@ messages per batch    16384                the session ends with LimitExceeded
 graph stall           10 s                 the session ends (a REPLAY waited for a
                                              GRAPH the client never sent)
 client timeouts       300 s                FETCH / download waits are clamped
+silence               300 s                the session ends (its client sent nothing
+                                             while its worker was idle: a vanished host)
 ====================  ===================  ==========================================
 
 A client is its authenticated iroh peer id, else the remote IP address
@@ -42,13 +44,15 @@ class ClientLimits:
     handshake_timeout: float = 10.0
     stall_timeout: float = 10.0
     max_wait: float = 300.0
+    idle_timeout: float = 300.0           # 0: a silent client keeps its session for ever
     max_inflight: int = 64 << 20          # bytes of decoded batches queued for a session's worker
     stage_window: int = 8 << 20           # bytes of encoded answers queued for the network per session
 
     def wire(self) -> dict[str, Any]:
         """What Welcome announces (the client refuses locally what would be refused anyway)."""
         return {"max_messages": self.max_messages, "max_uploads": self.max_uploads,
-                "max_tensors": self.max_tensors, "max_wait": self.max_wait}
+                "max_tensors": self.max_tensors, "max_wait": self.max_wait,
+                "idle_timeout": self.idle_timeout}  # clients say something (a Ping) well within it
 
 
 def client_identity(peer_id: str | None, remote: str) -> str:

@@ -281,7 +281,8 @@ class Server:
                 await lst.stop()
             except Exception:
                 log.exception("stopping listener")
-        await asyncio.gather(*(_close_quietly(s.conn) for s in list(self.sessions.values())))
+        await asyncio.gather(*(asyncio.wait_for(s.conn.close(), 3.0) for s in list(self.sessions.values())),
+                             return_exceptions=True)  # together and bounded: a silent peer holds nobody's stop
         for _ in range(200):  # let the pumps end (and report) their sessions, at most 2 s
             if not self.telemetry.sessions:
                 break
@@ -353,14 +354,6 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-async def _close_quietly(conn: Any, timeout: float = 3.0) -> None:
-    """Close one session's connection, bounded: a silent peer does not hold the server's stop."""
-    try:
-        await asyncio.wait_for(conn.close(), timeout)
-    except Exception:
-        log.debug("closing %s", getattr(conn, "remote", conn), exc_info=True)
 
 
 __all__ = ["Server", "Authorizer", "token_authorizer", "allowlist_authorizer", "all_of", "parse_devices"]

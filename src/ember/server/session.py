@@ -404,6 +404,7 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
     server.sessions[session.session_id] = session
     server.admission.opened(identity)
     sender = session.sender = asyncio.ensure_future(_send_loop(session))
+    reaper = asyncio.ensure_future(_end_when_silent(session, limits.idle_timeout)) if limits.idle_timeout > 0 else None
     server.telemetry.session_opened(session)
     session.end = ["disconnected", "the client closed the connection"]
     try:
@@ -415,8 +416,11 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
         await _pump(server, session)
     except (ConnectionError, OSError, asyncio.IncompleteReadError) as e:
         log.info("session %s lost: %s", session.session_id.hex()[:8], e)
-        session.end = ["lost", f"connection lost: {e}"]
+        if session.end[0] != "silent":  # (closing a silent client's connection breaks it)
+            session.end = ["lost", f"connection lost: {e}"]
     finally:
+        if reaper is not None:
+            reaper.cancel()
         reason, why = session.end
         session.stop()
         server.sessions.pop(session.session_id, None)
@@ -484,6 +488,27 @@ async def _pump(server: SessionHost, session: Session) -> None:
             return
     if sender.done():
         session.end = ["lost", "the connection broke while sending"]
+
+
+async def _end_when_silent(session: Session, timeout: float) -> None:
+    """End a session whose client sent nothing for ``timeout`` s while its worker had nothing to do:
+    a host or link that vanished sends no FIN, and its session would hold memory for ever. Clients
+    ping well within ``idle_timeout`` (Welcome); anything they send counts (``bytes_in``, lanes too)."""
+    seen, since = -1, time.monotonic()
+    while session.alive:
+        await asyncio.sleep(max(timeout / 4, 0.05))
+        now = time.monotonic()
+        if session.bytes_in != seen or session.inflight():
+            seen, since = session.bytes_in, now
+        elif now - since >= timeout:
+            why = f"the client sent nothing for {now - since:.0f} s (--idle-timeout {timeout:g}): its host or link is gone"
+            log.info("session %s: %s", session.session_id.hex()[:8], why)
+            session.end = ["silent", why]
+            try:
+                await asyncio.wait_for(session.conn.close(), 5.0)  # the pump's read ends, and the session
+            except Exception:  # noqa: BLE001 - a broken connection is what we are ending
+                pass
+            return
 
 
 async def _wait_for_worker(session: Session) -> None:
