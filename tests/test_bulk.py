@@ -147,9 +147,13 @@ def test_read_arrives_straight_into_place_over_tcp(peer):
             return v
         d.session.conn.set_data_sink(spy)
         x = xp.ones((3 * 2**20,), dtype=xp.uint8, device=d)
+        d.sync()
+        before = d.stats()["bytes_received"]
         out = x.to_numpy()
         assert out.flags.writeable and int(out.sum()) == 3 * 2**20
         assert placed and all(placed)  # every chunk went into the array, not into a frame
+        got = d.stats()["bytes_received"] - before
+        assert 3 * 2**20 <= got < 3 * 2**20 + 4096, got  # counted once, though no frame carried them
     finally:
         d.close()
 

@@ -218,8 +218,10 @@ class BulkData:
                 raise ProtocolError(f"a chunk from {self.address} lies outside the array it answers")
             w.buf[off:off + len(payload)] = np.frombuffer(payload, np.uint8)
             w.done += len(payload)
-        else:
-            w.done += self._placed.pop((req, off), 0)
+        else:  # the transport placed the payload: count its bytes as received here
+            placed = self._placed.pop((req, off), 0)
+            w.done += placed
+            self.stats["bytes_received"] += placed
         if status == m.OK:
             w.value = p
         if w.value is None or w.done < total:
