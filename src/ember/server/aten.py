@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ..protocol import aten as A
+from . import rnn_cells
 from .backends import UnknownOp
 
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in A.DTYPES if isinstance(getattr(torch, n, None),
@@ -40,6 +41,7 @@ _LENIENT = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_embeddi
 empty (batch norm's saved statistics in eval mode, embedding bag's unused max indices): the peer
 stores zeros in the client's layout, so the client's picture stays true."""
 _rng_locks: dict[str, threading.Lock] = {}
+rnn_cells.install("CPU")  # nn.LSTM / nn.GRU on an ember tensor take torch's fused cells: CUDA-only kernels
 
 
 def refusal(name: str) -> str | None:

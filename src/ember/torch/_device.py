@@ -142,6 +142,8 @@ def register() -> None:
         _libs.extend([fallback, claims])
         from . import _patches
         _libs.extend(_patches.install())
+        from ..server import rnn_cells  # meta kernels torch lacks (the GRU cells: no round trip for nn.GRU),
+        rnn_cells.install("Meta", replace=("_thnn_fused_lstm_cell",))  # and one that fails without biases
         _registered = True
 
 

@@ -1,0 +1,111 @@
+"""nn.LSTM / nn.GRU on ember: torch's fused cells (CUDA-only kernels) run on a torch:cpu peer, and the
+client infers their shapes without a round trip (ember/server/rnn_cells.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+import ember  # noqa: E402
+import ember.torch  # noqa: E402,F401
+from ember.server import Server, rnn_cells  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Classifier(nn.Module):
+    def __init__(self, kind: str, **kw: Any) -> None:
+        super().__init__()
+        self.rnn = getattr(nn, kind)(8, 16, batch_first=True, **kw)
+        self.head = nn.Linear(16 * (2 if kw.get("bidirectional") else 1), 3)
+
+    def forward(self, x: Any) -> Any:
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def train(device: str, kind: str, steps: int = 4, **kw: Any) -> tuple[list[float], list[Any]]:
+    torch.manual_seed(0)
+    model = Classifier(kind, **kw).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(4, 6, 8, generator=g).to(device), torch.randint(0, 3, (4,), generator=g).to(device)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[str]:
+    srv = Server(["torch:cpu"])
+    srv.listen_websocket("127.0.0.1", 0)
+    yield srv.start_in_thread()[0]
+    srv.close()
+
+
+@pytest.mark.parametrize("kind,kw", [("LSTM", {}), ("GRU", {}), ("LSTM", {"bias": False}), ("GRU", {"bias": False}),
+                                     ("LSTM", {"num_layers": 2, "bidirectional": True}), ("GRU", {"num_layers": 2})],
+                         ids=["lstm", "gru", "lstm-nobias", "gru-nobias", "lstm-2-layers-bidirectional", "gru-2-layers"])
+def test_rnn_training_equals_local_cpu_over_websocket(peer: str, kind: str, kw: dict[str, Any]) -> None:
+    local = train("cpu", kind, **kw)
+    with ember.connect(peer) as dev:
+        remote = train("ember", kind, **kw)
+        assert dev.stats()["reads"] >= 4
+    for a, b in zip(local[0], remote[0]):  # the fused cell adds the biases after the matmuls: rounding only
+        assert b == pytest.approx(a, rel=1e-6)
+    for p, q in zip(local[1], remote[1]):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_an_rnn_training_step_costs_no_round_trip(kind: str) -> None:
+    with ember.connect("local:torch") as dev:
+        torch.manual_seed(0)
+        model = Classifier(kind).to("ember")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(4, 6, 8).to("ember"), torch.randint(0, 3, (4,)).to("ember")
+        first = nn.functional.cross_entropy(model(x), y).item()
+        reads = dev.stats()["reads"]
+        for _ in range(3):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        assert dev.stats()["reads"] == reads  # shapes inferred here, every op sent in batches
+        assert loss.item() < first
+
+
+def test_cells_used_directly_equal_local_cpu() -> None:
+    for cell in (nn.LSTMCell, nn.GRUCell):
+        torch.manual_seed(0)
+        c = cell(5, 7)
+        x, h = torch.randn(3, 5), torch.randn(3, 7)
+        state = (h, torch.randn(3, 7)) if cell is nn.LSTMCell else h
+        want = c(x, state)
+        e = c.to("ember")
+        got = e(x.to("ember"), tuple(s.to("ember") for s in state) if isinstance(state, tuple) else state.to("ember"))
+        for w, g in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
+            torch.testing.assert_close(g.cpu(), w.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_cell_kernels_pass_gradcheck(bias: bool) -> None:
+    """Forward and backward agree: torch's derivative formulas call the backward kernels."""
+    rnn_cells.install("CPU")
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape: int) -> Any:
+        return torch.randn(*shape, dtype=torch.float64, generator=g).requires_grad_()
+    b, h = 3, 4
+    lstm = (t(b, 4 * h), t(b, 4 * h), t(b, h)) + ((t(4 * h), t(4 * h)) if bias else ())
+    assert torch.autograd.gradcheck(lambda *a: torch.ops.aten._thnn_fused_lstm_cell(*a)[:2], lstm)
+    gru = (t(b, 3 * h), t(b, 3 * h), t(b, h)) + ((t(3 * h), t(3 * h)) if bias else ())
+    assert torch.autograd.gradcheck(lambda *a: torch.ops.aten._thnn_fused_gru_cell(*a)[0], gru)
