@@ -108,3 +108,43 @@ def test_a_repeated_training_step_is_replayed_from_the_graph_cache(two_peers: li
     first, replayed = per_step[0], max(per_step[-3:])
     assert first >= 10 * replayed, f"wire bytes per step: {per_step}"
     d.close()
+
+
+def test_copies_and_casts_stay_on_their_tensor_s_device(two_peers: list[Server]) -> None:
+    """``clone`` and ``.to(dtype)`` are torch composites that allocate with a factory op: the result
+    lives where its operand does, not on the current device."""
+    d0 = ember.connect(two_peers[0].addresses[0], device=0)
+    d1 = ember.connect(two_peers[1].addresses[0])
+    with d0:
+        x = torch.arange(6.0, device="ember").reshape(2, 3)
+    with d1:  # the current device is another one
+        made = {"clone": x.clone(), "half": x.half(), "to(float64)": x.to(torch.float64),
+                "contiguous": x.t().contiguous(), "to(int32)": x.to(torch.int32)}
+        for name, t in made.items():
+            assert ember.torch.device_of(t) is d0, name
+            assert t.cpu().tolist() == x.cpu().to(t.dtype).t().tolist() if name == "contiguous" \
+                else t.cpu().tolist() == x.cpu().to(t.dtype).tolist(), name
+    for d in (d0, d1):
+        d.close()
+
+
+class _ZerosInBackward(torch.autograd.Function):
+    """A backward that makes a tensor with a factory op (as some of torch's derivative formulas do)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return g * 2 + torch.zeros(g.shape, device="ember")
+
+
+def test_a_backward_on_torch_s_autograd_thread_uses_the_with_device(two_peers: list[Server]) -> None:
+    with ember.connect(two_peers[1].addresses[0]) as d:  # not the default device
+        w = torch.ones(3, device="ember", requires_grad=True)
+        with torch.autocast("ember", dtype=torch.bfloat16):  # casts in the backward too
+            y = _ZerosInBackward.apply(torch.nn.functional.linear(w[None], torch.eye(3, device="ember")))
+        y.float().sum().backward()
+        assert ember.torch.device_of(w.grad) is d
+        assert w.grad.cpu().tolist() == [2.0, 2.0, 2.0]

@@ -180,11 +180,21 @@ _local: Device | None = None
 _default_lock = threading.Lock()
 
 
+_entered: dict[int, list[Device]] = {}  # thread id -> its ``with dev:`` stack (see entered_device)
+
+
 def _stack() -> list[Device]:
     s = getattr(_tls, "stack", None)
     if s is None:
-        s = _tls.stack = []
+        s = _tls.stack = _entered[threading.get_ident()] = []
     return s
+
+
+def entered_device() -> Device | None:
+    """The innermost ``with dev:`` device of every thread inside one, when they all agree, else None:
+    for threads that work on a user thread's behalf (torch's autograd engine runs a backward there)."""
+    tops = {id(s[-1]): s[-1] for s in list(_entered.values()) if s}
+    return next(iter(tops.values())) if len(tops) == 1 else None
 
 
 def connect(address: str = LOCAL, *, device: int = 0, credential: bytes | str = b"", timeout: float = 10.0,
@@ -259,4 +269,4 @@ def default_device() -> Device:
 
 
 __all__ = ["Device", "connect", "devices", "set_default_device", "default_device", "register_embedded", "is_embedded",
-           "chosen_device", "EmberError"]
+           "chosen_device", "entered_device", "EmberError"]

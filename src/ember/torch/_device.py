@@ -107,7 +107,8 @@ def _claimed_overloads() -> list[str]:
     return out
 
 
-_ALWAYS_CLAIMED = frozenset({"aten::_conj", "aten::_neg_view"})  # copies on ember (see _patches)
+_ALWAYS_CLAIMED = frozenset({"aten::_conj", "aten::_neg_view",  # copies on ember (see _patches)
+                            "aten::clone", "aten::_to_copy"})  # their result stays on the operand's device
 _NOT_CLAIMED = frozenset({"aten::_print", "aten::is_same_size", "aten::_assert_tensor_metadata",
                           "aten::_functional_sym_constrain_range"})
 
@@ -142,6 +143,8 @@ def register() -> None:
         _libs.extend([fallback, claims])
         from . import _patches
         _libs.extend(_patches.install())
+        from . import _autocast
+        _libs.extend(_autocast.install())
         from ..server import rnn_cells  # meta kernels torch lacks (the GRU cells: no round trip for nn.GRU),
         rnn_cells.install("Meta", replace=("_thnn_fused_lstm_cell",))  # and one that fails without biases
         _registered = True

@@ -77,6 +77,16 @@ def _peer_decides(op: Any, *args: Any, **kwargs: Any) -> Any:
     return v
 
 
+def _on_its_device(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``clone``, ``_to_copy``: torch's own composite, with its ``empty_strided`` on the operand's
+    Ember device (not the current one; on torch's autograd thread the current one is a guess)."""
+    composite = torch._C.DispatchKey.CompositeExplicitAutograd
+    if self.device.type != "ember":  # CPU -> ember: the target is the current device, as before
+        return op._op_dk(composite, self, *args, **kwargs)
+    with Dv.on_device(ref_of(self).device):
+        return op._op_dk(composite, self, *args, **kwargs)
+
+
 def _pin(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("cannot pin an ember tensor: only dense CPU tensors can be pinned")
 
@@ -127,6 +137,7 @@ def _install_ops() -> None:
     S[aten._pin_memory.default] = _pin
     S[aten.record_stream.default] = lambda op, *a, **k: None
     S[aten._fused_sdp_choice.default] = _peer_decides
+    S[aten.clone.default] = S[aten._to_copy.default] = _on_its_device
     # ember tensors never carry torch's lazy conjugate/negative bits: conj() and _neg_view() copy
     S[aten._conj.default] = lambda op, x: D.kernel_generic(aten.conj_physical.default, x)
     S[aten._neg_view.default] = lambda op, x: D.kernel_generic(aten.neg.default, x)
