@@ -17,8 +17,10 @@ Ember device a tensor lives on travels with its storage (:func:`device_of`), and
 
 Round trips happen only where torch needs a value: ``.item()``, ``bool(t)``, ``.cpu()``,
 ``print(t)``, ``.tolist()``, ``torch.save``, data-dependent shapes (``nonzero``, boolean
-masks). Not supported: ``generator=`` arguments (seed with ``torch.manual_seed``, which
-reseeds the peers too), sparse/quantized/nested tensors, ``ember:1`` (one torch device).
+masks). ``torch.autocast("ember", dtype=...)`` applies CUDA's mixed-precision policy;
+``torch.compile(m, backend="aot_eager")`` runs Dynamo's graphs through the same dispatch.
+Not supported: ``generator=`` arguments (seed with ``torch.manual_seed``, which reseeds the
+peers too), sparse/quantized/nested tensors, ``ember:1`` (one torch device).
 """
 
 from __future__ import annotations
