@@ -45,6 +45,15 @@ def make_peer() -> Iterator:
         s.close()
 
 
+@pytest.fixture(scope="module")
+def torch_peer() -> Iterator[str]:
+    """A torch:cpu peer serving WebSocket on 127.0.0.1 for the whole module; its address."""
+    srv = Server(["torch:cpu"])
+    srv.listen_websocket("127.0.0.1", 0)
+    yield srv.start_in_thread()[0]
+    srv.close()
+
+
 @pytest.fixture
 def ws_address(server: Server) -> str:
     return server.addresses[0]

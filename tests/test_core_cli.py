@@ -19,8 +19,8 @@ from ember.errors import SessionLost
 ENV = {**os.environ, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def start_serve(*args: str) -> tuple[subprocess.Popen, str]:
-    """Start `ember serve`, wait for its address line (the readiness signal)."""
+def start_serve(*args: str, pattern: str = r"listening on (ws://\S+)") -> tuple[subprocess.Popen, str]:
+    """Start `ember serve`, wait for its address line (the readiness signal; ``pattern``'s group)."""
     p = subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", *args], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=ENV)
     assert p.stdout is not None
@@ -29,7 +29,7 @@ def start_serve(*args: str) -> tuple[subprocess.Popen, str]:
         line = p.stdout.readline()
         if not line:
             break
-        m = re.search(r"listening on (ws://\S+)", line)
+        m = re.search(pattern, line)
         if m:
             return p, m.group(1)
     p.kill()

@@ -20,6 +20,7 @@ from ember.errors import ConnectError, SessionLost
 from ember.server import Server
 
 from netfault import DroppingProxy
+from test_core_cli import start_serve
 
 
 def dead_port() -> int:
@@ -121,24 +122,6 @@ def test_dropping_tcp_link_gives_session_lost_then_reconnects():
         srv.close()
 
 
-def serve_iroh_subprocess() -> tuple[subprocess.Popen, str]:
-    """`ember serve` (iroh only, offline, loopback) in its own process; returns it and its ticket."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", EMBER_OFFLINE="1", EMBER_BIND="127.0.0.1:0,[::1]:0")
-    p = subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    assert p.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        if not line:
-            break
-        m = re.search(r"iroh ticket (\S+)", line)
-        if m:
-            return p, m.group(1)
-    p.kill()
-    raise AssertionError(f"no ticket from ember serve: {p.communicate(timeout=10)}")
-
-
 @pytest.mark.timeout(60)
 def test_silent_iroh_peer_gives_session_lost_then_reconnects():
     """A peer that goes silent on every path (a frozen host, a pulled cable) loses the session in the
@@ -147,7 +130,7 @@ def test_silent_iroh_peer_gives_session_lost_then_reconnects():
     A link proxy cannot simulate this over iroh: when the proxied path dies, iroh may move the
     connection to a direct address the peer advertised (measured: after ~5 s, sometimes not within
     30 s), so the peer's whole process is stopped instead: no path can answer."""
-    p, ticket = serve_iroh_subprocess()
+    p, ticket = start_serve(pattern=r"iroh ticket (\S+)")  # iroh only, offline, loopback (conftest)
     try:
         d = ember.connect(ticket, heartbeat_interval=0.25, heartbeat_timeout=2.0, timeout=3.0)
         x = xp.asarray(np.arange(6.0), device=d)

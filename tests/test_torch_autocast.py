@@ -3,7 +3,7 @@ and a GradScaler training loop."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -12,17 +12,8 @@ nn, F = torch.nn, torch.nn.functional
 
 import ember  # noqa: E402
 import ember.torch  # noqa: E402,F401
-from ember.server import Server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def peer() -> Iterator[str]:
-    srv = Server(["torch:cpu"])
-    srv.listen_websocket("127.0.0.1", 0)
-    yield srv.start_in_thread()[0]
-    srv.close()
 
 
 def test_each_op_gets_cuda_s_autocast_policy() -> None:
@@ -77,17 +68,17 @@ def _loop(device: str, dtype: Any, scaler: Any = None, steps: int = 8) -> list[f
     return losses
 
 
-def test_bfloat16_training_over_websocket_tracks_local_cpu_autocast(peer: str) -> None:
+def test_bfloat16_training_over_websocket_tracks_local_cpu_autocast(torch_peer: str) -> None:
     local = _loop("cpu", torch.bfloat16)
-    with ember.connect(peer):
+    with ember.connect(torch_peer):
         remote = _loop("ember", torch.bfloat16)
     assert remote[-1] < remote[0] * 0.9
     for a, b in zip(local, remote):  # CPU's policy differs a little from CUDA's: bfloat16 rounding apart
         assert b == pytest.approx(a, rel=3e-2)
 
 
-def test_float16_training_with_a_grad_scaler(peer: str) -> None:
-    with ember.connect(peer):
+def test_float16_training_with_a_grad_scaler(torch_peer: str) -> None:
+    with ember.connect(torch_peer):
         scaler = torch.amp.GradScaler("ember", init_scale=2.0 ** 10)
         losses = _loop("ember", torch.float16, scaler)
         assert scaler.get_scale() >= 2.0 ** 10  # no step skipped for overflow: finite gradients

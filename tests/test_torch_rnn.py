@@ -3,7 +3,7 @@ client infers their shapes without a round trip (ember/server/rnn_cells.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -12,7 +12,7 @@ nn = torch.nn
 
 import ember  # noqa: E402
 import ember.torch  # noqa: E402,F401
-from ember.server import Server, rnn_cells  # noqa: E402
+from ember.server import rnn_cells  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,20 +43,12 @@ def train(device: str, kind: str, steps: int = 4, **kw: Any) -> tuple[list[float
     return losses, [p.detach().cpu() for p in model.parameters()]
 
 
-@pytest.fixture(scope="module")
-def peer() -> Iterator[str]:
-    srv = Server(["torch:cpu"])
-    srv.listen_websocket("127.0.0.1", 0)
-    yield srv.start_in_thread()[0]
-    srv.close()
-
-
 @pytest.mark.parametrize("kind,kw", [("LSTM", {}), ("GRU", {}), ("LSTM", {"bias": False}), ("GRU", {"bias": False}),
                                      ("LSTM", {"num_layers": 2, "bidirectional": True}), ("GRU", {"num_layers": 2})],
                          ids=["lstm", "gru", "lstm-nobias", "gru-nobias", "lstm-2-layers-bidirectional", "gru-2-layers"])
-def test_rnn_training_equals_local_cpu_over_websocket(peer: str, kind: str, kw: dict[str, Any]) -> None:
+def test_rnn_training_equals_local_cpu_over_websocket(torch_peer: str, kind: str, kw: dict[str, Any]) -> None:
     local = train("cpu", kind, **kw)
-    with ember.connect(peer) as dev:
+    with ember.connect(torch_peer) as dev:
         remote = train("ember", kind, **kw)
         assert dev.stats()["reads"] >= 4
     for a, b in zip(local[0], remote[0]):  # the fused cell adds the biases after the matmuls: rounding only
