@@ -8,6 +8,7 @@
 * ATen ops dispatched, messages sent, wire bytes per step (first step vs replayed steps);
 * client CPU per dispatched ATen op (process CPU time over a training run on a remote peer, µs), and
   of one cached ``a + b`` alone (the dispatch path: target <= 30 µs);
+* the same loops with the model under ``torch.compile(backend="ember")`` over TCP (``tcp+compile``);
 * a model whose step takes >= 5 ms of compute: remote step time over local step time.
 
 Client and server are pinned to different cores when there are two (torch uses one thread on
@@ -68,6 +69,36 @@ def step_time(kw: dict[str, Any], device: str, steps: int) -> float:
     W.train(device=device, steps=3, **kw)
     t0 = time.perf_counter()
     W.train(device=device, steps=steps, read_every=10, **kw)
+    return (time.perf_counter() - t0) / steps
+
+
+def compiled_step_time(kw: dict[str, Any], steps: int, backend: str = "ember") -> float:
+    """Seconds per step of W.train's loop with the model under ``torch.compile(backend=...)`` on the
+    current Ember device (compiled and warmed before the clock starts; the loss read every 10 steps)."""
+    torch.manual_seed(0)
+    m = kw["model"]().to("ember")
+    run = torch.compile(m, backend=backend)
+    o = getattr(torch.optim, kw["opt"])(m.parameters(), **kw["opt_args"])
+    g = torch.Generator().manual_seed(0)
+
+    def step() -> Any:  # as W.train: a fresh batch uploaded every step
+        x, y = kw["batch"](g)
+        x, y = x.to("ember"), y.to("ember")
+        out = run(x)
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        o.zero_grad(set_to_none=True)
+        loss.backward()
+        o.step()
+        return loss
+    for _ in range(3):
+        step()
+    step().item()
+    t0 = time.perf_counter()
+    for k in range(steps):
+        loss = step()
+        if k % 10 == 9:
+            loss.item()
+    loss.item()
     return (time.perf_counter() - t0) / steps
 
 
@@ -147,6 +178,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             fns: dict[str, Callable[[], float]] = {"local": lambda kw=kw: step_time(kw, "cpu", a.steps)}
             for t, d in devs.items():
                 fns[t] = lambda kw=kw, d=d: _on(d, lambda: step_time(kw, "ember", a.steps))
+            cd = devs.get("tcp") or devs.get("websocket")
+            if cd is not None:  # torch.compile(backend="ember"): graphs replayed without per-op dispatch
+                fns[f"{cd.address.split(':')[0]}+compile"] = lambda kw=kw, cd=cd: _on(
+                    cd, lambda: compiled_step_time(kw, a.steps))
             times = alternate(fns, a.repeat)
             fig = {k: {"steps_per_s": round(1 / v, 1), "ms_per_step": round(v * 1e3, 3),
                        "vs_local": round(times["local"] / v, 3)} for k, v in times.items()}

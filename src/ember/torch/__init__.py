@@ -18,7 +18,7 @@ Ember device a tensor lives on travels with its storage (:func:`device_of`), and
 Round trips happen only where torch needs a value: ``.item()``, ``bool(t)``, ``.cpu()``,
 ``print(t)``, ``.tolist()``, ``torch.save``, data-dependent shapes (``nonzero``, boolean
 masks). ``torch.autocast("ember", dtype=...)`` applies CUDA's mixed-precision policy;
-``torch.compile(m, backend="aot_eager")`` runs Dynamo's graphs through the same dispatch.
+``torch.compile(m, backend="ember")`` records each compiled graph once and replays it.
 Not supported: ``generator=`` arguments (seed with ``torch.manual_seed``, which reseeds the
 peers too), sparse/quantized/nested tensors, ``ember:1`` (one torch device).
 """
@@ -37,5 +37,12 @@ from ._devices import NotATorchDevice, WrongDevice, current_device  # noqa: E402
 from ._dispatch import counters  # noqa: E402
 from ._transfer import device_of, from_array, to_array, to_device  # noqa: E402
 
-__all__ = ["to_device", "device_of", "from_array", "to_array", "current_device", "counters", "NotATorchDevice",
+
+def compiler(gm: "torch.fx.GraphModule", example_inputs: list) -> "object":  # type: ignore[name-defined]
+    """The ``torch.compile`` backend (``backend="ember"``, or ``backend=ember.torch.compiler``):
+    each compiled graph's ATen ops are recorded once per layout and replayed (:mod:`._compile`)."""
+    from ._compile import compiler as compile_graph
+    return compile_graph(gm, example_inputs)
+
+__all__ = ["compiler", "to_device", "device_of", "from_array", "to_array", "current_device", "counters", "NotATorchDevice",
            "WrongDevice", "UnsupportedTorch", "register"]

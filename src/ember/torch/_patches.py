@@ -176,6 +176,18 @@ def _install_save() -> None:
 _FLASH = 1  # sdp::SDPBackend::flash_attention
 
 
+def _stand_in(t: Any) -> Any:
+    """A tracing tensor (``torch.compile``: Dynamo's fake tensors, AOTAutograd's functional ones) as
+    a real, zeroed ember tensor of its layout on the current device, so the peer can be asked which
+    kernel it takes (the compiled graph then holds the kernel eager runs); anything else as it is."""
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from torch._subclasses.functional_tensor import FunctionalTensor, disable_functional_mode
+    if not isinstance(t, (FakeTensor, FunctionalTensor)):
+        return t
+    with disable_functional_mode(), unset_fake_temporarily():
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="ember")
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
           is_causal: bool = False, *, scale: Any = None, enable_gqa: bool = False) -> torch.Tensor:
     """``scaled_dot_product_attention`` on ember tensors picks its kernel as the peer's device would.
@@ -184,12 +196,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = No
     always take the math path; here the peer is asked (once per layout) which kernel its device
     takes, and a torch:cpu peer runs the same fused CPU kernel local torch runs (bit-equal).
     """
-    choice = _peer_decides(aten._fused_sdp_choice.default, q, k, v, attn_mask, dropout_p, is_causal,
+    real = [_stand_in(t) for t in (q, k, v, attn_mask)]  # (torch.compile traces with fake tensors)
+    choice = _peer_decides(aten._fused_sdp_choice.default, *real, dropout_p, is_causal,
                            scale=scale, enable_gqa=enable_gqa)
     if attn_mask is not None and attn_mask.dtype == torch.bool:  # as torch's convert_boolean_attn_mask
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
             attn_mask.logical_not(), float("-inf"))
-    if choice == _FLASH and Dv.device_of([ref_of(q)], info(aten._fused_sdp_choice.default)).info.get(
+    if choice == _FLASH and Dv.device_of([ref_of(real[0])], info(aten._fused_sdp_choice.default)).info.get(
             "spec", "").startswith("torch:cpu"):
         return aten._scaled_dot_product_flash_attention_for_cpu.default(
             q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]

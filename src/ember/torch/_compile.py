@@ -1,0 +1,219 @@
+"""``torch.compile(model, backend="ember")``: a compiled graph's ATen ops recorded once, then replayed.
+
+Eager ember code pays Python dispatch for every ATen op (schema walk, plan lookup, message,
+output tensors: ~25-40 µs on the client). Under this backend Dynamo captures the model and
+AOTAutograd hands over functional forward and backward graphs; each graph's first call on a
+given input layout runs it through the ordinary dispatch while the session's messages are
+*captured*; later calls with the same layouts re-record the captured messages with fresh
+storage ids (inputs substituted, intermediates dropped at the end) and build the outputs
+from the captured layouts, with no per-op dispatch. What goes on the wire is the same as eager
+(and the session's graph cache replays it as usual), so results are bit-equal to eager.
+
+A graph whose capture did anything but record ATen ops (a read or other round trip, an upload,
+a reseed after ``torch.manual_seed``) is captured again on its next call, and after a few tries
+runs eagerly for good: the backend never changes what a program computes, only how fast the
+client records it. The backend is found by name through the ``torch_dynamo_backends`` entry
+point (``pip install`` registers it), or pass :func:`compiler` itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ..protocol import messages as m
+from ._devices import apply_seed, materialize
+from ._storage import StorageRef, live_session, new_tensor
+
+_OP = m.OP
+TRIES = 3  # captures per layout before a graph runs eagerly for good
+#: graphs captured, calls replayed, calls run eagerly (not replayable, or tried too often)
+stats = {"captures": 0, "replays": 0, "eager": 0}
+
+
+class _Trace:
+    """One capture: the messages, which sids were the inputs', and how to rebuild the outputs."""
+
+    __slots__ = ("messages", "inputs", "fresh", "kept", "outputs")
+
+    def __init__(self, messages: list[list[Any]], inputs: list[int], fresh: list[int], kept: list[Any],
+                 outputs: list[tuple[Any, ...]]) -> None:
+        self.messages, self.inputs, self.fresh, self.kept, self.outputs = messages, inputs, fresh, kept, outputs
+
+
+def _replayable(msgs: list[list[Any]]) -> bool:
+    for msg in msgs:
+        if msg[0] != _OP or not isinstance(msg[1], str) or not (msg[1].startswith("aten.") or msg[1] == "torch.alloc"):
+            return False
+        args = msg[2]
+        if msg[1] == "torch.alloc":
+            if args:
+                return False
+        elif not args or not isinstance(args[0], list) or not all(type(a) is int for a in args[1:]):
+            return False
+        if not all(type(o) is int for o in msg[4]):
+            return False
+    return True
+
+
+class Replayer:
+    """The compiled form of one AOT graph (forward, backward or inference)."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self.traces: dict[Any, _Trace | int] = {}  # layout key -> trace, or the captures tried so far
+
+    def __call__(self, *args: Any) -> Any:
+        refs = [_ref(a) for a in args]
+        if any(r is None for r, a in zip(refs, args) if isinstance(a, torch.Tensor)) or not any(refs):
+            stats["eager"] += 1  # a CPU tensor among the inputs (or no ember one): as eager
+            return self.gm(*args)
+        session = refs[next(k for k, r in enumerate(refs) if r is not None)].session
+        key = _key(args, refs, session)
+        if key is None:
+            stats["eager"] += 1
+            return self.gm(*args)
+        for r in refs:
+            if r is not None and r.pending is not None:
+                materialize(r)
+        t = self.traces.get(key, 0)
+        if isinstance(t, _Trace):
+            return self._replay(t, args, refs, session)
+        if t >= TRIES:
+            stats["eager"] += 1
+            return self.gm(*args)
+        out, trace = self._capture(args, refs, session)
+        self.traces[key] = trace if trace is not None else t + 1
+        return out
+
+    def _capture(self, args: tuple[Any, ...], refs: list[StorageRef | None], session: Any) -> Any:
+        msgs: list[list[Any]] = []
+        real, me = session.record, threading.get_ident()
+
+        def capturing(msg: list[Any]) -> None:
+            if threading.get_ident() == me:  # (another thread's ops on this session are not the graph's)
+                msgs.append(msg)
+            real(msg)
+        session.record = capturing
+        try:
+            out = self.gm(*args)
+        finally:
+            del session.record
+        trace = self._trace(msgs, out, refs, session)
+        stats["captures" if trace is not None else "eager"] += 1
+        return out, trace
+
+    def _trace(self, msgs: list[list[Any]], out: Any, refs: list[StorageRef | None], session: Any) -> _Trace | None:
+        if not _replayable(msgs) or not isinstance(out, (list, tuple)):
+            return None
+        inputs = [r.sid for r in refs if r is not None]
+        fresh = [o for msg in msgs for o in msg[4]]
+        made = set(fresh)
+        if len(made) != len(fresh) or made & set(inputs):
+            return None
+        kept: list[Any] = []  # storages neither input nor fresh that the messages use (graph constants)
+        outputs: list[tuple[Any, ...]] = []
+        for o in out:
+            if not isinstance(o, torch.Tensor):
+                if o is not None:
+                    return None  # a value (a SymInt...): run eagerly rather than guess
+                outputs.append(("none",))
+                continue
+            r = _ref(o)
+            if r is None or r.pending is not None or r.session is not session:
+                return None
+            layout = (o.dtype, tuple(o.shape), tuple(o.stride()), o.storage_offset(), o.requires_grad)
+            if r.sid in made:
+                outputs.append(("fresh", r.sid, *layout))
+            elif r.sid in inputs:
+                outputs.append(("input", inputs.index(r.sid), *layout))
+            else:
+                kept.append(o.untyped_storage())
+                outputs.append(("kept", len(kept) - 1, *layout))
+        used = {a for msg in msgs for a in msg[2][1:]}
+        known = made | set(inputs) | {getattr(s, "_ember").sid for s in kept}
+        if used - known:  # a storage from outside the graph that is not an output: not ours to hold
+            return None
+        return _Trace(msgs, inputs, fresh, kept, outputs)
+
+    def _replay(self, t: _Trace, args: tuple[Any, ...], refs: list[StorageRef | None], session: Any) -> Any:
+        live_session(next(r for r in refs if r is not None))
+        apply_seed(session)  # torch.manual_seed since the last random op: as eager, before this graph's
+        ids = session.ids
+        sub = dict(zip(t.inputs, (r.sid for r in refs if r is not None)))
+        new = {f: next(ids) for f in t.fresh}
+        sub.update(new)
+        for s in t.kept:
+            r = s._ember
+            live_session(r)
+            sub[r.sid] = r.sid
+        record = session.record
+        for msg in t.messages:
+            a = msg[2]
+            record([msg[0], msg[1], [a[0], *[sub[x] for x in a[1:]]] if a else a, msg[3],
+                    [new[o] for o in msg[4]], msg[5]])
+        device = next(r for r in refs if r is not None).device
+        storages: dict[int, Any] = {}
+        outs: list[Any] = []
+        inputs = [a for a, r in zip(args, refs) if r is not None]
+        for o in t.outputs:
+            if o[0] == "none":
+                outs.append(None)
+                continue
+            dtype, size, stride, offset, grad = o[2:]
+            if o[0] == "fresh":
+                sid = new[o[1]]
+                st = storages.get(sid)
+                if st is None:
+                    x = new_tensor(dtype, size, stride, offset, ref=StorageRef(sid, session, device))
+                    storages[sid] = x.untyped_storage()
+                else:
+                    x = new_tensor(dtype, size, stride, offset, storage=st)
+            elif o[0] == "input":
+                x = new_tensor(dtype, size, stride, offset, storage=inputs[o[1]].untyped_storage())
+            else:
+                x = new_tensor(dtype, size, stride, offset, storage=t.kept[o[1]])
+            outs.append(x.requires_grad_() if grad else x)
+        for f, sid in new.items():
+            if sid not in storages:
+                session.release(sid)  # an intermediate: freed on the peer after the ops that use it
+        stats["replays"] += 1
+        return outs
+
+
+def _ref(a: Any) -> StorageRef | None:
+    if isinstance(a, torch.Tensor) and a.device.type == "ember":
+        return getattr(a.untyped_storage(), "_ember", None)
+    return None
+
+
+def _key(args: tuple[Any, ...], refs: list[StorageRef | None], session: Any) -> Any:
+    """The layouts, dtypes and storage sharing of the inputs (None: not all on one session)."""
+    parts: list[Any] = [id(session)]
+    first: dict[int, int] = {}
+    for k, (a, r) in enumerate(zip(args, refs)):
+        if r is None:
+            if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                return None
+            parts.append(a if isinstance(a, (int, float, bool, type(None))) else type(a))
+            continue
+        if r.session is not session:
+            return None
+        parts.append((a.dtype, tuple(a.shape), tuple(a.stride()), a.storage_offset(), a.requires_grad,
+                      first.setdefault(r.sid, k)))
+    return tuple(parts)
+
+
+def compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """The Dynamo backend (``torch.compile(model, backend="ember")``, or pass this function)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compile_graph(g: torch.fx.GraphModule, _inputs: list[Any]) -> Callable[..., Any]:
+        return make_boxed_func(Replayer(g))
+    return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph)(gm, example_inputs)
+
+
+__all__ = ["compiler", "Replayer", "stats"]

@@ -1,0 +1,112 @@
+"""torch.compile(model, backend="ember"): each compiled graph recorded once per layout, then replayed
+(ember/torch/_compile.py) — bit-equal to eager, which equals local CPU torch."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn, F = torch.nn, torch.nn.functional
+
+import ember  # noqa: E402
+import ember.torch  # noqa: E402,F401
+from ember.torch import _compile as C  # noqa: E402
+from ember.torch import workloads as W  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _lm_loss(out: Any, y: Any) -> Any:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+WORKLOADS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any, Any], Any]]] = {
+    "mlp": (lambda: W.MLP(16, 32, 4), lambda g: W.classification_batch(g, 32, (16,), 4), F.cross_entropy),
+    "transformer": (W.TinyLM, W.lm_batch(), _lm_loss),
+    "cnn-batchnorm-dropout": (W.CNN, W.image_batch(8), F.cross_entropy),
+}
+
+
+def train(device: str, name: str, backend: str | None, steps: int = 4, reseed_at: int = -1) -> tuple[list[float], list[Any]]:
+    make, batch, loss_fn = WORKLOADS[name]
+    torch.manual_seed(0)
+    model = make().to(device)
+    run = torch.compile(model, backend=backend) if backend else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    x, y = (t.to(device) for t in batch(g))
+    losses = []
+    for step in range(steps):
+        if step == reseed_at:
+            torch.manual_seed(123)  # reaches the peer before its next random op, compiled or not
+        loss = loss_fn(run(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+def same(a: Any, b: Any) -> None:
+    assert a[0] == b[0], f"losses differ: {a[0]} vs {b[0]}"
+    for p, q in zip(a[1], b[1]):
+        assert torch.equal(p, q), f"parameters differ by {(p - q).abs().max().item()}"
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_compiled_training_replays_and_is_bit_equal_to_eager(torch_peer: str, name: str) -> None:
+    with ember.connect(torch_peer):
+        eager = train("ember", name, None, reseed_at=2)
+        before = dict(C.stats)
+        compiled = train("ember", name, "ember", reseed_at=2)
+        aot = train("ember", name, "aot_eager", reseed_at=2)
+    same(eager, compiled)
+    same(eager, aot)
+    assert C.stats["captures"] > before["captures"]  # forward and backward, once per layout
+    assert C.stats["replays"] >= before["replays"] + 2 * 2  # later steps: no per-op dispatch
+    if name != "cnn-batchnorm-dropout":  # (dropout draws on the peer's generator, not local CPU's)
+        same(train("cpu", name, None, reseed_at=2), compiled)
+
+
+def test_a_graph_with_a_cpu_input_runs_eagerly_and_a_new_layout_is_captured_anew() -> None:
+    with ember.connect("local:torch"):
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 3).to("ember")
+        scale = torch.tensor(2.0)  # a CPU tensor: the graph runs as eager does (uploads it), every time
+
+        def f(x: Any) -> Any:
+            return lin(x) * scale
+
+        compiled = torch.compile(f, backend="ember")
+        eager0 = C.stats["eager"]
+        for n in (8, 8, 8, 16, 16, 16, 16, 16):
+            x = torch.arange(n * 4.0).reshape(n, 4).to("ember")
+            with torch.no_grad():
+                assert torch.equal(compiled(x).cpu(), f(x).cpu())
+        before = dict(C.stats)
+        plain = torch.compile(lambda x: lin(x).relu(), backend="ember")
+        with torch.no_grad():
+            for n in (5, 5, 5):
+                x = torch.ones(n, 4).to("ember")
+                assert torch.equal(plain(x).cpu(), lin(x).relu().cpu())
+        assert C.stats["captures"] == before["captures"] + 1 and C.stats["replays"] >= before["replays"] + 2
+        assert C.stats["eager"] >= eager0 + 8  # (counted where it ran eagerly)
+
+
+def test_a_capture_that_reseeds_is_captured_again_and_random_ops_match_eager() -> None:
+    def f(x: Any) -> Any:
+        return F.dropout(x * 3.0, 0.5, training=True)
+
+    with ember.connect("local:torch"):
+        x = torch.ones(64).to("ember")
+        torch.manual_seed(5)
+        want = [f(x).cpu() for _ in range(4)]
+        compiled = torch.compile(f, backend="ember")
+        before = dict(C.stats)
+        torch.manual_seed(5)  # the first capture records the peer's reseed: not replayable, tried again
+        got = [compiled(x).cpu() for _ in range(4)]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert C.stats["eager"] == before["eager"] + 1 and C.stats["captures"] == before["captures"] + 1
+    assert C.stats["replays"] == before["replays"] + 2
