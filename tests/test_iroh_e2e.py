@@ -190,6 +190,32 @@ def test_identity_is_stable_across_serve_restarts(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_peer_killed_and_restarted_with_its_key_is_reached_at_once(tmp_path: Path) -> None:
+    """A crashed peer sends no CONNECTION_CLOSE: the client's QUIC connection to it lives on until its
+    idle timeout. A new session must not wait for it (it did: ~30 s of failed connects)."""
+    key = tmp_path / "srv.key"
+    assert subprocess.run([*CLI, "keygen", str(key)], capture_output=True, env=ENV, timeout=30).returncode == 0
+    args = ("--key", str(key), "--offline", "--bind", "127.0.0.1:0", "--bind", "[::1]:0")
+    p, info = start_serve(*args)
+    try:
+        dev = ember.connect(info["ticket"])
+        assert float(xp.sum(xp.ones(3, device=dev))) == 3.0
+        dev.close()
+    finally:
+        p.kill()
+        p.wait(10)
+    p, info = start_serve(*args)  # same identity, new ports
+    try:
+        t0 = time.monotonic()
+        dev = ember.connect(info["ticket"], timeout=20)
+        assert float(xp.sum(xp.ones(4, device=dev))) == 4.0
+        assert time.monotonic() - t0 < 5
+        dev.close()
+    finally:
+        stop(p)
+
+
+@pytest.mark.timeout(120)
 def test_default_key_is_created_then_reused(tmp_path: Path) -> None:
     env = {**ENV, "EMBER_KEY": str(tmp_path / "cfg" / "secret.key")}
     ids = []

@@ -512,19 +512,18 @@ class ClientSession(BulkData, LaneData):
                 await asyncio.sleep(self.hb_interval)
                 now = time.monotonic()
                 if not self._waiters and self._pinged <= self._last_recv:  # idle, nothing unanswered
-                    if self.idle_ping is not None and now - self._pinged >= self.idle_ping:
-                        self._pinged = now  # a Ping now and then says we are here, and hears the peer
-                        self._ping()
-                    else:
+                    if self.idle_ping is None or now - self._pinged < self.idle_ping:
                         self._last_recv = now  # (silence is no fault while nothing was asked)
-                    continue
-                if now - self._last_recv > self.hb_timeout:
+                        continue
+                    self._pinged = now  # a Ping now and then says we are here, and hears the peer
+                elif now - self._last_recv > self.hb_timeout:
                     self._fail_all(SessionLost(
                         f"peer {self.address} did not answer for {now - self._last_recv:.1f} s; it is gone or "
                         "unreachable", hint="check the peer process; new work on this device reconnects"))
                     return
-                if self._waiters:
-                    self._ping()
+                elif not self._waiters:
+                    continue  # an idle Ping is out: its answer, or the timeout above
+                self._ping()
         except asyncio.CancelledError:
             pass
 

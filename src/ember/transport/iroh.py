@@ -398,6 +398,7 @@ class _ClientState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     conns: dict[str, Any] = field(default_factory=dict)
     pending: dict[str, asyncio.Task] = field(default_factory=dict)
+    streams: "weakref.WeakSet[IrohConnection]" = field(default_factory=weakref.WeakSet)  # opened by dial
 
     async def get_endpoint(self) -> Any:
         async with self.lock:
@@ -408,12 +409,19 @@ class _ClientState:
                     bind=_client_bind(), require_relay=False, retries=2)
             return self.endpoint
 
-    async def connection(self, target: Target) -> Any:
+    async def connection(self, target: Target, fresh: bool = False) -> Any:
+        """The open QUIC connection to ``target``. ``fresh``: unless a stream of ours is open on it,
+        close the cached one and connect anew -- the peer may have restarted (same key, new process)
+        and be dead without the connection knowing yet: a Hello on it would wait for QUIC's idle
+        timeout, and iroh keeps trying its old path while the connection lives."""
         conn = self.conns.get(target.peer_id)
         if conn is not None:
-            if conn.close_reason() is None:
+            busy = any(c._conn is conn and not c._closed for c in list(self.streams))
+            if conn.close_reason() is None and (busy or not fresh):
                 return conn
             self.conns.pop(target.peer_id, None)
+            with suppress(Exception):
+                conn.close(0, b"replaced")
         task = self.pending.get(target.peer_id)
         if task is None:
             task = asyncio.get_running_loop().create_task(self._connect(target))
@@ -502,7 +510,8 @@ async def dial(address: str, *, timeout: float = 10.0, kind: str = "session",
                offline: bool | None = None, max_frame: int = DEFAULT_MAX_FRAME) -> IrohConnection:
     """Open a ``kind`` stream to the peer named by ``address``.
 
-    Reuses this process's QUIC connection to that peer when one is open.
+    Reuses this process's QUIC connection to that peer when one is open (a ``session`` stream only
+    while another stream of ours is open on it).
     Raises :class:`ConnectError` (naming the peer and addresses tried) on
     failure or after ``timeout`` seconds.
     """
@@ -519,7 +528,9 @@ async def dial(address: str, *, timeout: float = 10.0, kind: str = "session",
 
     async def _open() -> IrohConnection:
         for attempt in (0, 1):
-            conn = await st.connection(target)
+            # A new session does not trust an idle cached connection (see _ClientState.connection);
+            # lanes and transfers share the connection their session opened.
+            conn = await st.connection(target, fresh=kind == "session" and not attempt)
             try:
                 bi = await conn.open_bi()
             except Exception:  # noqa: BLE001 - cached connection died: reconnect once
@@ -529,6 +540,7 @@ async def dial(address: str, *, timeout: float = 10.0, kind: str = "session",
                 continue
             c = IrohConnection(bi, conn, peer_id=str(conn.remote_id()), kind=kind,
                                max_frame=max_frame)
+            st.streams.add(c)
             await c._send_header(kind)
             c._start()
             return c
