@@ -60,8 +60,7 @@ class ClientSession(BulkData, LaneData):
         self.read_timeout, self.idle_flush, self.max_batch = read_timeout, idle_flush, max_batch
         self.hb_interval, self.hb_timeout = heartbeat_interval, heartbeat_timeout
         limits = welcome.get("limits", {})
-        idle = float(limits.get("idle_timeout") or 0)  # the peer ends sessions silent that long
-        self.idle_ping = idle / 4 if idle > 0 else None
+        self.idle_ping = float(limits.get("idle_timeout") or 0) / 4 or None  # the peer ends silent sessions
         self.max_frame = int(limits.get("max_frame", m.DEFAULT_MAX_FRAME))
         self.chunk = int(limits.get("chunk", m.DEFAULT_CHUNK))
         self.max_tensor = limits.get("max_tensor")        # what the peer accepts: refused here, before sending

@@ -410,10 +410,9 @@ class _ClientState:
             return self.endpoint
 
     async def connection(self, target: Target, fresh: bool = False) -> Any:
-        """The open QUIC connection to ``target``. ``fresh``: unless a stream of ours is open on it,
-        close the cached one and connect anew -- the peer may have restarted (same key, new process)
-        and be dead without the connection knowing yet: a Hello on it would wait for QUIC's idle
-        timeout, and iroh keeps trying its old path while the connection lives."""
+        """The open QUIC connection to ``target``. ``fresh``: unless a stream of ours is open on it, close
+        it and connect anew -- a peer that restarted (same key) leaves a dead connection that a Hello would
+        wait on until QUIC's idle timeout, and whose old path iroh keeps trying while it lives."""
         conn = self.conns.get(target.peer_id)
         if conn is not None:
             busy = any(c._conn is conn and not c._closed for c in list(self.streams))
@@ -528,8 +527,7 @@ async def dial(address: str, *, timeout: float = 10.0, kind: str = "session",
 
     async def _open() -> IrohConnection:
         for attempt in (0, 1):
-            # A new session does not trust an idle cached connection (see _ClientState.connection);
-            # lanes and transfers share the connection their session opened.
+            # a new session does not trust an idle cached connection; lanes and transfers share theirs
             conn = await st.connection(target, fresh=kind == "session" and not attempt)
             try:
                 bi = await conn.open_bi()
