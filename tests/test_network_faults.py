@@ -220,7 +220,7 @@ def test_a_vanished_client_s_session_ends_and_frees_its_memory_while_an_idle_one
         assert float(xp.sum(x)) == 1 << 16 and len(srv.sessions) == 1  # same session, same array
         proxy.dropping = True
         took = _until(lambda: not srv.sessions)
-        assert took < 2.0 + 2.0 + 2.0, took  # the window, its check period, the close's wait
+        assert took < 2.0 + 0.5 + 2.0 + 4.0, took  # the window, its check period, the close's wait, slack
         assert srv.telemetry.closed["silent"] == 1
         assert held() == 0  # its memory is back in the budget
         with pytest.raises(SessionLost, match="did not answer"):  # its unanswered ping told the client
@@ -247,7 +247,7 @@ def test_a_client_that_says_nothing_after_its_hello_is_ended():
         welcome = codec.unpackb(ws.recv(timeout=10))
         assert welcome["limits"]["idle_timeout"] == 1.0  # told in Welcome
         took = _until(lambda: not srv.sessions)
-        assert 1.0 <= took < 1.0 + 4.0, took
+        assert 1.0 <= took < 1.0 + 7.0, took
         assert srv.telemetry.closed["silent"] == 1
         ws.close()
     finally:
