@@ -191,8 +191,12 @@ def _stack() -> list[Device]:
 
 
 def entered_device() -> Device | None:
-    """The innermost ``with dev:`` device of every thread inside one, when they all agree, else None:
-    for threads that work on a user thread's behalf (torch's autograd engine runs a backward there)."""
+    """This thread's innermost ``with dev:`` device; outside any, the one every thread inside one has
+    innermost, when they all agree; else None. For threads that work on a user thread's behalf (torch's
+    autograd engine runs a backward on one of its own)."""
+    own = getattr(_tls, "stack", None)
+    if own:
+        return own[-1]
     tops = {id(s[-1]): s[-1] for s in list(_entered.values()) if s}
     return next(iter(tops.values())) if len(tops) == 1 else None
 

@@ -8,9 +8,8 @@ reaches each peer lazily: before a session's next random op, its generator is re
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 from ..client.device import Device
 from ..errors import EmberError
@@ -33,32 +32,13 @@ class WrongDevice(EmberError, RuntimeError):
     """One op mixed tensors of two Ember devices, or an ember tensor with a CPU tensor."""
 
 
-_ambient = threading.local()  # .dev: the device of the op whose composite runs now (see on_device)
-
-
-@contextlib.contextmanager
-def on_device(dev: Device) -> Iterator[None]:
-    """Factory ops inside run on ``dev``: for composites that make their result with one
-    (``clone``, ``_to_copy``: ``empty_strided`` + ``copy_``), so it lives where its operand does."""
-    prev = getattr(_ambient, "dev", None)
-    _ambient.dev = dev
-    try:
-        yield
-    finally:
-        _ambient.dev = prev
-
-
 def current_device() -> Device:
-    """The Ember device factory ops (``torch.zeros(..., device="ember")``) run on: the operand's during
-    a composite (:func:`on_device`), else the innermost ``with dev:``, else the default. On a thread
-    Python did not start (torch's autograd engine runs a backward on one, for the user thread that
-    called it), the ``with dev:`` device of the user threads, when they agree."""
+    """The Ember device factory ops (``torch.zeros(..., device="ember")``) run on: the innermost
+    ``with dev:``, else the default. On a thread Python did not start (torch's autograd engine runs a
+    backward on one, for the user thread that called it) and outside any ``with``, the ``with dev:``
+    device of the user threads, when they agree."""
     from ..client.device import chosen_device, connect, entered_device
-    dev = getattr(_ambient, "dev", None)
-    if dev is not None:
-        return dev
-    if isinstance(threading.current_thread(), threading._DummyThread):
-        dev = entered_device()
+    dev = entered_device() if isinstance(threading.current_thread(), threading._DummyThread) else None
     if dev is None:
         dev = chosen_device()
     if dev is None:
@@ -111,5 +91,5 @@ def manual_seed_all(seed: int) -> None:
     SEED[1] += 1
 
 
-__all__ = ["current_device", "on_device", "check_torch", "device_of", "materialize", "apply_seed", "manual_seed_all",
+__all__ = ["current_device", "check_torch", "device_of", "materialize", "apply_seed", "manual_seed_all",
            "NotATorchDevice", "WrongDevice", "SEED"]

@@ -83,7 +83,7 @@ def _on_its_device(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> An
     composite = torch._C.DispatchKey.CompositeExplicitAutograd
     if self.device.type != "ember":  # CPU -> ember: the target is the current device, as before
         return op._op_dk(composite, self, *args, **kwargs)
-    with Dv.on_device(ref_of(self).device):
+    with ref_of(self).device:  # (the innermost `with dev:` is where factory ops run)
         return op._op_dk(composite, self, *args, **kwargs)
 
 
