@@ -522,14 +522,11 @@ class ClientSession(BulkData, LaneData):
                     return
                 elif not self._waiters:
                     continue  # an idle Ping is out: its answer, or the timeout above
-                self._ping()
+                with self._lock:
+                    self._frames.append(codec.packb([[m.PING, 0]]))
+                self._wake.set()
         except asyncio.CancelledError:
             pass
-
-    def _ping(self) -> None:
-        with self._lock:
-            self._frames.append(codec.packb([[m.PING, 0]]))
-        self._wake.set()
 
     def _fail_all(self, err: EmberError) -> None:
         if self.lost is None:

@@ -70,7 +70,8 @@ class Replayer:
         if any(r is None for r, a in zip(refs, args) if isinstance(a, torch.Tensor)) or not any(refs):
             stats["eager"] += 1  # a CPU tensor among the inputs (or no ember one): as eager
             return self.gm(*args)
-        session = refs[next(k for k, r in enumerate(refs) if r is not None)].session
+        first = next(r for r in refs if r is not None)
+        session = first.session
         key = _key(args, refs, session)
         if key is None:
             stats["eager"] += 1
@@ -80,7 +81,7 @@ class Replayer:
                 materialize(r)
         t = self.traces.get(key, 0)
         if isinstance(t, _Trace):
-            return self._replay(t, args, refs, session)
+            return self._replay(t, args, refs, first)
         if t >= TRIES:
             stats["eager"] += 1
             return self.gm(*args)
@@ -138,8 +139,8 @@ class Replayer:
             return None
         return _Trace(msgs, inputs, fresh, kept, outputs)
 
-    def _replay(self, t: _Trace, args: tuple[Any, ...], refs: list[StorageRef | None], session: Any) -> Any:
-        live_session(next(r for r in refs if r is not None))
+    def _replay(self, t: _Trace, args: tuple[Any, ...], refs: list[StorageRef | None], first: StorageRef) -> Any:
+        session = live_session(first)
         apply_seed(session)  # torch.manual_seed since the last random op: as eager, before this graph's
         ids = session.ids
         sub = dict(zip(t.inputs, (r.sid for r in refs if r is not None)))
@@ -154,7 +155,7 @@ class Replayer:
             a = msg[2]
             record([msg[0], msg[1], [a[0], *[sub[x] for x in a[1:]]] if a else a, msg[3],
                     [new[o] for o in msg[4]], msg[5]])
-        device = next(r for r in refs if r is not None).device
+        device = first.device
         storages: dict[int, Any] = {}
         outs: list[Any] = []
         inputs = [a for a, r in zip(args, refs) if r is not None]
