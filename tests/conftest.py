@@ -29,13 +29,15 @@ def server() -> Iterator[Server]:
 
 @pytest.fixture
 def make_peer() -> Iterator:
-    """``make_peer(*hosts, **server_options)``: NumPy peers serving WebSocket on each host (default
-    127.0.0.1), closed at the end of the test."""
+    """``make_peer(*hosts, iroh=False, **server_options)``: NumPy peers serving WebSocket on each host
+    (default 127.0.0.1), or iroh (offline, loopback), closed at the end of the test."""
     servers = []
 
-    def make(*hosts: str, **kw) -> Server:
+    def make(*hosts: str, iroh: bool = False, **kw) -> Server:
         srv = Server(["cpu"], **kw)
-        for h in hosts or ("127.0.0.1",):
+        if iroh:
+            srv.listen_iroh(offline=True, bind=["127.0.0.1:0", "[::1]:0"])
+        for h in () if iroh else hosts or ("127.0.0.1",):
             srv.listen_websocket(h, 0)
         srv.start_in_thread()
         servers.append(srv)

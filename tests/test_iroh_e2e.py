@@ -303,22 +303,12 @@ def test_keygen_refuses_overwrite_and_doctor_offline(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_peer_to_peer_move_over_iroh() -> None:
+def test_peer_to_peer_move_over_iroh(make_peer) -> None:
     """The target server downloads straight from the source over a transfer stream."""
-    servers = []
-    for _ in range(2):
-        s = Server(["cpu"])
-        s.listen_iroh(offline=True, bind=LOOPBACK)
-        s.start_in_thread()
-        servers.append(s)
-    try:
-        a, b = (ember.connect(s.addresses[0]) for s in servers)
-        data = np.arange(300_000, dtype=np.float64)
-        x = xp.asarray(data, device=a) + 1.0
-        y = x.to_device(b)
-        np.testing.assert_array_equal((y * 2.0).to_numpy(), (data + 1.0) * 2.0)
-        a.close()
-        b.close()
-    finally:
-        for s in servers:
-            s.close()
+    a, b = (ember.connect(make_peer(iroh=True).addresses[0]) for _ in range(2))
+    data = np.arange(300_000, dtype=np.float64)
+    x = xp.asarray(data, device=a) + 1.0
+    y = x.to_device(b)
+    np.testing.assert_array_equal((y * 2.0).to_numpy(), (data + 1.0) * 2.0)
+    a.close()
+    b.close()

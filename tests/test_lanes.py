@@ -484,29 +484,24 @@ def test_a_lane_closed_in_the_middle_of_an_upload_ends_the_session(peer):
 
 
 @pytest.mark.timeout(60)
-def test_a_striped_upload_whose_chunks_never_come_is_bounded_by_the_stall_timeout():
-    srv = Server(["cpu"], stall_timeout=1.0)
-    srv.listen_websocket("127.0.0.1", 0)
-    srv.start_in_thread()
-    try:
-        addr = srv.addresses[0]
-        other = ember.connect(addr)
-        ws, welcome, sid = _raw_ws_session(addr)
-        lane = _raw_ws_lane(addr, sid, welcome["lanes"]["key"])
-        total = 3 * CHUNK
-        ws.send(codec.packb([[m.UPLOAD, 1, "uint8", [total], 0, None, total], [m.SYNC, 2]]))
-        lane.send(b"".join(_chunk(1, CHUNK, CHUNK, total)))  # one chunk of three, then nothing
-        t0 = time.monotonic()
-        err = _session_error(ws, 15.0)
-        assert err["kind"] == "ProtocolError" and "no chunk arrived on the lanes for 1 s" in err["message"]
-        assert time.monotonic() - t0 < 8.0
-        _canary(other)
-        assert wait_until(lambda: srv.memory_held() == 0)
-        lane.close()
-        ws.close()
-        other.close()
-    finally:
-        srv.close()
+def test_a_striped_upload_whose_chunks_never_come_is_bounded_by_the_stall_timeout(make_peer):
+    srv = make_peer(stall_timeout=1.0)
+    addr = srv.addresses[0]
+    other = ember.connect(addr)
+    ws, welcome, sid = _raw_ws_session(addr)
+    lane = _raw_ws_lane(addr, sid, welcome["lanes"]["key"])
+    total = 3 * CHUNK
+    ws.send(codec.packb([[m.UPLOAD, 1, "uint8", [total], 0, None, total], [m.SYNC, 2]]))
+    lane.send(b"".join(_chunk(1, CHUNK, CHUNK, total)))  # one chunk of three, then nothing
+    t0 = time.monotonic()
+    err = _session_error(ws, 15.0)
+    assert err["kind"] == "ProtocolError" and "no chunk arrived on the lanes for 1 s" in err["message"]
+    assert time.monotonic() - t0 < 8.0
+    _canary(other)
+    assert wait_until(lambda: srv.memory_held() == 0)
+    lane.close()
+    ws.close()
+    other.close()
 
 
 @pytest.mark.timeout(60)
@@ -549,30 +544,21 @@ def test_a_raw_striped_upload_over_websocket_is_stored_and_read_back(peer):
 # ---- downloads between peers ---------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
-def test_a_download_between_iroh_peers_is_striped_and_bit_exact():
-    servers = []
-    for _ in range(2):
-        s = Server(["cpu"])
-        s.listen_iroh(offline=True, bind=LOOPBACK)
-        s.start_in_thread()
-        servers.append(s)
-    try:
-        a, b = (ember.connect(_ticket(s)) for s in servers)
-        data = np.random.default_rng(6).standard_normal(5 * CHUNK // 8 + 3)
-        x = xp.asarray(data, device=a) * 3.0
-        y = x.to_device(b)
-        assert y.to_numpy().tobytes() == (data * 3.0).tobytes()
-        hub = servers[0].transfers.lanes
-        assert hub.striped == 1 and hub.served == pl.TRANSFER_LANES - 1
-        assert hub.offers == {}  # withdrawn once served
-        small = xp.asarray(np.arange(10.0), device=a).to_device(b)  # below STRIPE_MIN: one stream
-        np.testing.assert_array_equal(small.to_numpy(), np.arange(10.0))
-        assert hub.striped == 1
-        a.close()
-        b.close()
-    finally:
-        for s in servers:
-            s.close()
+def test_a_download_between_iroh_peers_is_striped_and_bit_exact(make_peer):
+    servers = [make_peer(iroh=True) for _ in range(2)]
+    a, b = (ember.connect(_ticket(s)) for s in servers)
+    data = np.random.default_rng(6).standard_normal(5 * CHUNK // 8 + 3)
+    x = xp.asarray(data, device=a) * 3.0
+    y = x.to_device(b)
+    assert y.to_numpy().tobytes() == (data * 3.0).tobytes()
+    hub = servers[0].transfers.lanes
+    assert hub.striped == 1 and hub.served == pl.TRANSFER_LANES - 1
+    assert hub.offers == {}  # withdrawn once served
+    small = xp.asarray(np.arange(10.0), device=a).to_device(b)  # below STRIPE_MIN: one stream
+    np.testing.assert_array_equal(small.to_numpy(), np.arange(10.0))
+    assert hub.striped == 1
+    a.close()
+    b.close()
 
 
 @pytest.mark.timeout(60)

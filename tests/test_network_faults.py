@@ -21,6 +21,7 @@ from ember.server import Server
 
 from netfault import DroppingProxy
 from test_core_cli import start_serve
+from test_core_sessions import raw_session, wait_until
 
 
 def dead_port() -> int:
@@ -188,24 +189,13 @@ def test_iroh_objects_dying_on_an_iroh_thread_are_freed_later_not_there():
     assert iroh_finalizers.deferred == after
 
 
-def _until(cond, timeout: float = 15.0) -> float:
-    """Seconds until ``cond()`` held (polled), or fail."""
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, "condition not reached"
-        time.sleep(0.05)
-    return time.monotonic() - t0
-
-
 @pytest.mark.timeout(60)
-def test_a_vanished_client_s_session_ends_and_frees_its_memory_while_an_idle_one_stays():
+def test_a_vanished_client_s_session_ends_and_frees_its_memory_while_an_idle_one_stays(make_peer):
     """A client whose link dies without a FIN (the proxy swallows everything) would hold its session
     and its memory for ever; the peer ends it after --idle-timeout of silence. An idle client with a
     live link pings within that window and keeps its session and arrays."""
-    srv = Server(["cpu"], idle_timeout=2.0)
-    srv.listen_websocket("127.0.0.1", 0)
-    port = int(srv.start_in_thread()[0].rsplit(":", 1)[1])
-    proxy = DroppingProxy("tcp", port)
+    srv = make_peer(idle_timeout=2.0)
+    proxy = DroppingProxy("tcp", int(srv.addresses[0].rsplit(":", 1)[1]))
     held = lambda: srv.memory_stats()["devices"][0]["held"]  # noqa: E731
     try:
         d = ember.connect(f"ws://127.0.0.1:{proxy.port}", heartbeat_interval=0.1, heartbeat_timeout=1.5,
@@ -219,9 +209,11 @@ def test_a_vanished_client_s_session_ends_and_frees_its_memory_while_an_idle_one
         assert session.bytes_in > pinged and time.monotonic() - t0 >= 3.5
         assert float(xp.sum(x)) == 1 << 16 and len(srv.sessions) == 1  # same session, same array
         proxy.dropping = True
-        took = _until(lambda: not srv.sessions)
+        t0 = time.monotonic()
+        assert wait_until(lambda: srv.telemetry.closed["silent"] == 1, 15.0)  # (reported once it has ended)
+        took = time.monotonic() - t0
         assert took < 2.0 + 0.5 + 2.0 + 4.0, took  # the window, its check period, the close's wait, slack
-        assert srv.telemetry.closed["silent"] == 1
+        assert not srv.sessions
         assert held() == 0  # its memory is back in the budget
         with pytest.raises(SessionLost, match="did not answer"):  # its unanswered ping told the client
             x.to_numpy()
@@ -230,25 +222,16 @@ def test_a_vanished_client_s_session_ends_and_frees_its_memory_while_an_idle_one
         d.close()
     finally:
         proxy.close()
-        srv.close()
 
 
 @pytest.mark.timeout(60)
-def test_a_client_that_says_nothing_after_its_hello_is_ended():
-    from websockets.sync.client import connect as ws_connect
-
-    from ember.protocol import codec
-    srv = Server(["cpu"], idle_timeout=1.0)
-    srv.listen_websocket("127.0.0.1", 0)
-    url = srv.start_in_thread()[0]
-    try:
-        ws = ws_connect(url)
-        ws.send(codec.encode_hello(session_id=os.urandom(16), device=0))
-        welcome = codec.unpackb(ws.recv(timeout=10))
-        assert welcome["limits"]["idle_timeout"] == 1.0  # told in Welcome
-        took = _until(lambda: not srv.sessions)
-        assert 1.0 <= took < 1.0 + 7.0, took
-        assert srv.telemetry.closed["silent"] == 1
-        ws.close()
-    finally:
-        srv.close()
+def test_a_client_that_says_nothing_after_its_hello_is_ended(make_peer):
+    srv = make_peer(idle_timeout=1.0)
+    ws, welcome = raw_session(srv.addresses[0])
+    assert welcome["limits"]["idle_timeout"] == 1.0  # told in Welcome
+    t0 = time.monotonic()
+    assert wait_until(lambda: srv.telemetry.closed["silent"] == 1, 15.0)  # (reported once it has ended)
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 1.0 + 7.0, took
+    assert not srv.sessions
+    ws.close()
