@@ -15,7 +15,7 @@ import ember.array_api as xp
 from ember.array_api._array import DLDeviceType
 from ember.protocol import messages as m
 from ember.server import Server
-from ember.server.backends import BackendUnavailable, make_backend
+from ember.server.execute.backends import BackendUnavailable, make_backend
 
 xs = pytest.importorskip("array_api_strict")
 

@@ -18,8 +18,8 @@ import ember.array_api as xp
 from ember.errors import RemoteExecutionError
 from ember.protocol import messages as m
 from ember.server import Server
-from ember.server.backends import make_backend
-from ember.server.interpreter import Interpreter, build_table
+from ember.server.execute.backends import make_backend
+from ember.server.execute.interpreter import Interpreter, build_table
 
 
 @pytest.fixture(params=[True, False], ids=["inline", "worker"])

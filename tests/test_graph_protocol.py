@@ -10,9 +10,9 @@ import pytest
 from ember.client.graph import GraphTable, canon
 from ember.protocol import codec
 from ember.protocol import messages as m
-from ember.server.backends import make_backend
-from ember.server.graph_cache import GraphCache, compile_graph
-from ember.server.interpreter import Interpreter, build_table
+from ember.server.execute.backends import make_backend
+from ember.server.execute.graph_cache import GraphCache, compile_graph
+from ember.server.execute.interpreter import Interpreter, build_table
 
 OP, UPLOAD, READ, GRAPH, REPLAY, DROP = m.OP, m.UPLOAD, m.READ, m.GRAPH, m.REPLAY, m.DROP
 
@@ -175,8 +175,8 @@ def _chain(x: int, first: int, n: int) -> list[list[Any]]:
 
 @pytest.mark.parametrize("n, refused", [(50, False), (120, True)])
 def test_a_replays_small_temporaries_are_charged_in_slack_sized_lots(n: int, refused: bool) -> None:
-    from ember.server.memory import DeviceMemory
-    from ember.server.replay import SLACK, SMALL_RESULT
+    from ember.server.guard.memory import DeviceMemory
+    from ember.server.execute.replay import SLACK, SMALL_RESULT
     p = Peer()
     budget = 2 << 20
     p.interp.mem = mem = DeviceMemory(None, "test").session(budget, "s")

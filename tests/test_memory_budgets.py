@@ -18,7 +18,7 @@ from ember.errors import LimitExceeded
 from ember.protocol import codec
 from ember.protocol import messages as m
 from ember.server import Server
-from ember.server.memory import DeviceMemory, format_bytes, parse_size
+from ember.server.guard.memory import DeviceMemory, format_bytes, parse_size
 
 GiB = 1 << 30
 

@@ -11,7 +11,7 @@ import pytest
 import ember
 import ember.array_api as xp
 from ember.server import Server
-from ember.server import telemetry as t
+from ember.server.telemetry import probe as t
 
 
 def wait_for(sub: t.Subscription, cls: type, pred=lambda ev: True, timeout: float = 5.0) -> list:

@@ -1,5 +1,5 @@
 """nn.LSTM / nn.GRU on ember: torch's fused cells (CUDA-only kernels) run on a torch:cpu peer, and the
-client infers their shapes without a round trip (ember/server/rnn_cells.py)."""
+client infers their shapes without a round trip (ember/server/execute/rnn_cells.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ nn = torch.nn
 
 import ember  # noqa: E402
 import ember.torch  # noqa: E402,F401
-from ember.server import rnn_cells  # noqa: E402
+from ember.server.execute import rnn_cells  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,10 +27,10 @@ class Classifier(nn.Module):
         return self.head(self.rnn(x)[0][:, -1])
 
 
-def train(device: str, kind: str, steps: int = 4, **kw: Any) -> tuple[list[float], list[Any]]:
+def train(device: str, kind: str, steps: int = 4, optimizer: Any = None, **kw: Any) -> tuple[list[float], list[Any]]:
     torch.manual_seed(0)
     model = Classifier(kind, **kw).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = (optimizer or torch.optim.AdamW)(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
@@ -47,14 +47,20 @@ def train(device: str, kind: str, steps: int = 4, **kw: Any) -> tuple[list[float
                                      ("LSTM", {"num_layers": 2, "bidirectional": True}), ("GRU", {"num_layers": 2})],
                          ids=["lstm", "gru", "lstm-nobias", "gru-nobias", "lstm-2-layers-bidirectional", "gru-2-layers"])
 def test_rnn_training_equals_local_cpu_over_websocket(torch_peer: str, kind: str, kw: dict[str, Any]) -> None:
+    """The fused cell adds the biases after the matmuls, so values differ from local CPU by rounding
+    only. Losses are compared after AdamW; parameters after SGD, whose update is linear in the
+    gradient (Adam divides by sqrt(v): a last-bit difference in a tiny gradient becomes a visible
+    one in the parameter, and how visible depends on the machine's kernels)."""
     local = train("cpu", kind, **kw)
+    local_sgd = train("cpu", kind, optimizer=torch.optim.SGD, **kw)
     with ember.connect(torch_peer) as dev:
         remote = train("ember", kind, **kw)
-        assert dev.stats()["reads"] >= 4
-    for a, b in zip(local[0], remote[0]):  # the fused cell adds the biases after the matmuls: rounding only
+        remote_sgd = train("ember", kind, optimizer=torch.optim.SGD, **kw)
+        assert dev.stats()["reads"] >= 8
+    for a, b in zip(local[0] + local_sgd[0], remote[0] + remote_sgd[0]):
         assert b == pytest.approx(a, rel=1e-6)
-    for p, q in zip(local[1], remote[1]):
-        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+    for p, q in zip(local_sgd[1], remote_sgd[1]):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])

@@ -10,9 +10,9 @@ from typing import Any
 
 from ..errors import EmberError
 from ..server import Server
-from ..server.limits import ClientLimits
-from ..server.auth import all_of, allowlist_authorizer, peer_id, read_peer_list, read_secret_file, token_authorizer
-from ..server.memory import parse_size
+from ..server.guard.limits import ClientLimits
+from ..server.guard.auth import all_of, allowlist_authorizer, peer_id, read_peer_list, read_secret_file, token_authorizer
+from ..server.guard.memory import parse_size
 from ..transport.websocket import is_loopback
 
 

@@ -1,7 +1,7 @@
 """``ember status`` (a peer's figures once) and ``ember top`` (the same, live, until ``q``).
 
 Both open an admin session (``ember.connect(address, admin=True, credential=token)``) and ask
-the peer for its figures with STATS (see ``ember.server.figures``); the peer refuses anyone who
+the peer for its figures with STATS (see ``ember.server.telemetry.figures``); the peer refuses anyone who
 has neither its admin token nor an allowlisted iroh peer id, and the reason is printed.
 ``render`` draws one frame with ``rich``; ``status`` prints it once, ``top`` redraws it about
 every ``--interval`` seconds (rates are differences between two frames).

@@ -34,7 +34,7 @@ Client → server messages (positions after the kind)::
     FETCH   id, source, capability, timeout     source None: take a MOVE token
     MOVE    id, token                           same-peer move
     ATEN    (reserved: ember.torch's ATen op stream)
-    STATS   req, scope                          figures, answered with a map (ember.server.figures):
+    STATS   req, scope                          figures, answered with a map (ember.server.telemetry.figures):
                                                 scope "session" (this session and its device;
                                                 anyone) or "server" (every session, device, total
                                                 and recent event: admin sessions only, others get

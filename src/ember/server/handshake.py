@@ -56,7 +56,7 @@ async def handshake(server: SessionHost, conn: FrameConnection, first: bytes,
 
 
 async def refuse(server: SessionHost, conn: FrameConnection, code: str, reason: str, **extra: Any) -> None:
-    # the session log (server/session_log.py) reports every refusal; a version mismatch also warns here
+    # the session log (server/telemetry/session_log.py) reports every refusal; a version mismatch also warns here
     log.log(logging.WARNING if code == m.REJECT_VERSION else logging.DEBUG, "refused %s (%s): %s",
             conn.peer_id or conn.remote, code, reason)
     server.telemetry.session_refused(conn.peer_id, conn.remote, code, reason)

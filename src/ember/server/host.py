@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-from .backends import Backend
-from .limits import Admission, ClientLimits
-from .memory import DeviceMemory
-from .telemetry import Probe
+from .execute.backends import Backend
+from .guard.limits import Admission, ClientLimits
+from .guard.memory import DeviceMemory
+from .telemetry.probe import Probe
 from .transfer import TransferHub
 
 __all__ = ["SessionHost"]
@@ -38,7 +38,7 @@ class SessionHost(Protocol):
     version: str
     instance: str
     telemetry: Probe
-    figures: Any  # server/figures.py: answers STATS
+    figures: Any  # server/telemetry/figures.py: answers STATS
 
     def authorize(self, peer_id: str | None, device: int, credential: bytes) -> str | None: ...
 

@@ -38,7 +38,7 @@ from ..protocol import messages as m
 from ..protocol.codec import safe_repr
 from ..protocol.lanes import MAX_LANES, STRIPE_MIN, Coverage, read_done, read_stripe, stripe_bounds
 from ..transport.loop import all_or_nothing
-from .sizes import upload_fault
+from .execute.sizes import upload_fault
 
 log = logging.getLogger("ember.server.lanes")
 

@@ -14,15 +14,15 @@ from .._version import __version__
 from ..errors import AuthorizationError, EmberError
 from ..protocol import messages as m
 from ..transport.base import FrameConnection, Listener
-from .auth import Authorizer, allowlist_authorizer, all_of, token_authorizer
-from .backends import Backend, make_backend
-from .figures import Figures
-from .interpreter import build_table
-from .limits import Admission, ClientLimits
-from .memory import DeviceMemory, default_limit, parse_size
+from .execute.backends import Backend, make_backend
+from .execute.interpreter import build_table
+from .guard.auth import Authorizer, allowlist_authorizer, all_of, token_authorizer
+from .guard.limits import Admission, ClientLimits
+from .guard.memory import DeviceMemory, default_limit, parse_size
 from .session import Session, drive_session
-from .session_log import SessionLog
-from .telemetry import Probe
+from .telemetry.figures import Figures
+from .telemetry.probe import Probe
+from .telemetry.session_log import SessionLog
 from .transfer import TransferHub
 
 log = logging.getLogger("ember.server")
@@ -71,7 +71,7 @@ class Server:
                  **limits: Any) -> None:
         """``memory_limit``: bytes (or ``"16GiB"``) each device budget holds, default a safe fraction of
         RAM / device memory (host devices share one budget); ``session_memory``: per session, default
-        the device's budget. The per-client limits are described in :mod:`ember.server.limits`
+        the device's budget. The per-client limits are described in :mod:`ember.server.guard.limits`
         (``limits`` takes the rest of :class:`~ember.server.limits.ClientLimits` by name)."""
         self.backends: list[Backend] = [d if isinstance(d, Backend) else make_backend(d) for d in devices]
         if not self.backends:
@@ -104,7 +104,7 @@ class Server:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
-        # telemetry (server/telemetry.py): the probe, its subscribers, and who may see the whole peer
+        # telemetry (server/telemetry/probe.py): the probe, its subscribers, and who may see the whole peer
         self.telemetry = Probe()
         self.figures = Figures(self)
         self.session_log = SessionLog(self.telemetry, [b.spec for b in self.backends])
@@ -173,6 +173,12 @@ class Server:
     def listen_metrics(self, host: str = "127.0.0.1", port: int = 0) -> None:
         """Serve Prometheus ``/metrics`` on ``host:port`` once started (``metrics_address`` says where)."""
         self._metrics_bind = (host, port)
+
+    @staticmethod
+    def vetted_aten(name: str) -> bool:
+        """Whether ``name`` is an ATen overload a torch device of this peer would run."""
+        from .execute.aten import refusal  # (imports torch: only asked on peers with a torch device)
+        return refusal(name) is None
 
     def device_info(self) -> list[dict[str, Any]]:
         return [b.info(i) for i, b in enumerate(self.backends)]
@@ -261,7 +267,7 @@ class Server:
         self.figures.start(ops=self._metrics_bind is not None)
         self.session_log.start()
         if self._metrics_bind is not None and self._metrics_close is None:
-            from .metrics import serve_metrics
+            from .telemetry.metrics import serve_metrics
             self.metrics_address, self._metrics_close = serve_metrics(self, *self._metrics_bind)
         for lst in self.listeners:
             await lst.start(self.handle)

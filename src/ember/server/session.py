@@ -20,7 +20,7 @@ bound: the pump stops reading a session's stream while more than
 keepalive ``[0, OK, None]`` every second meanwhile, so the client knows the peer
 is alive), and the worker waits while more than ``stage_window`` bytes of its
 answers wait for the network. Both are counted in the session's memory
-(:mod:`ember.server.memory`).
+(:mod:`ember.server.guard.memory`).
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ from ..protocol import codec
 from ..protocol import lanes as pl
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
-from .interpreter import Interpreter, Placed
+from .execute.interpreter import Interpreter, Placed
+from .guard.limits import client_identity
+from .guard.memory import give_back_freed
 from .handshake import first_map, handshake, serve_lane
 from .host import SessionHost
 from .lanes import SessionLanes, StripedRead
-from .limits import client_identity
-from .memory import give_back_freed
-from .telemetry import transport_of
+from .telemetry.probe import transport_of
 from .transfer import TransferOps, serve_transfer
 
 log = logging.getLogger("ember.server")
@@ -84,7 +84,7 @@ class Session:
         self.sender: asyncio.Future[None] | None = None
         self.inline = bool(getattr(server, "inline_small", True))
         self._loop_thread = threading.get_ident()
-        # telemetry: who, and plain counters (one addition per frame); see server/telemetry.py
+        # telemetry: who, and plain counters (one addition per frame); see server/telemetry/probe.py
         self.label, self.admin, self.transport = self.session_id.hex(), bool(hello.get("admin")), transport_of(conn)
         self.opened = time.monotonic()
         self.bytes_in = self.bytes_out = self.batches = 0
@@ -195,7 +195,7 @@ class Session:
             asyncio.ensure_future(end_session(self, err))
 
     def stats(self, msg: list[Any], out: list[list[Any]]) -> None:
-        """STATS (in a batch, in order; alone, the pump answers it at once): figures, see server/figures.py."""
+        """STATS (in a batch, in order; alone, the pump answers it at once): figures, see server/telemetry/figures.py."""
         resp = self.server.figures.answer(self, msg)
         if resp is not None:
             out.append(resp)

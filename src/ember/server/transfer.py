@@ -30,10 +30,10 @@ from ..protocol import lanes as pl
 from ..protocol import messages as m
 from ..transport.base import FrameConnection, receive_buffer
 from ..transport.loop import all_or_nothing
-from .backends import Backend
+from .execute.backends import Backend
+from .execute.replay import Poison
 from .lanes import TransferLanes
-from .replay import Poison
-from .telemetry import OFF
+from .telemetry.probe import OFF
 
 log = logging.getLogger("ember.server.transfer")
 

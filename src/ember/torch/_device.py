@@ -145,7 +145,7 @@ def register() -> None:
         _libs.extend(_patches.install())
         from . import _autocast
         _libs.extend(_autocast.install())
-        from ..server import rnn_cells  # meta kernels torch lacks (the GRU cells: no round trip for nn.GRU),
+        from ..server.execute import rnn_cells  # meta kernels torch lacks (the GRU cells: no round trip for nn.GRU),
         rnn_cells.install("Meta", replace=("_thnn_fused_lstm_cell",))  # and one that fails without biases
         _registered = True
 

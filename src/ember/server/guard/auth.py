@@ -14,7 +14,7 @@ import os
 import re
 from typing import Callable, Iterable
 
-from ..errors import EmberError
+from ...errors import EmberError
 
 Authorizer = Callable[[str | None, int, bytes], "bool | str | None"]
 

@@ -1,6 +1,6 @@
 """The session log: one line a person can read per session opened, closed or refused.
 
-A subscriber of the probe's session events (``server/telemetry.py``), logging to
+A subscriber of the probe's session events (``server/telemetry/probe.py``), logging to
 ``ember.server.sessions`` at INFO. Each record also carries the event's fields as
 ``record.ember`` (a dict), which ``ember serve --log-json`` writes as JSON keys. A closing line
 says how long the session lasted, what it ran and moved, why it ended and, like Burn Remote's
@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from .figures import _fields
-from .telemetry import Probe, SessionClosed, SessionOpened, SessionRefused, Subscription, consume, finish
+from .probe import Probe, SessionClosed, SessionOpened, SessionRefused, Subscription, consume, finish
 
 log = logging.getLogger("ember.server.sessions")
 

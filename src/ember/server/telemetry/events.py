@@ -1,4 +1,4 @@
-"""Telemetry events: what the probe (``server/telemetry.py``) delivers to its subscribers.
+"""Telemetry events: what the probe (``server/telemetry/probe.py``) delivers to its subscribers.
 
 Session events are dataclasses (rare); ``Batch`` carries one batch's messages in columns and
 ``Op`` (a named tuple, cheap to build) is one message, unpacked from a ``Batch`` by ``unpack``.
@@ -11,7 +11,7 @@ from itertools import accumulate, repeat
 from operator import sub
 from typing import Any, NamedTuple
 
-from ..protocol import messages as m
+from ...protocol import messages as m
 
 KINDS = tuple(n.lower() for n in m.KIND_NAMES)
 """Message kind names as telemetry reports them (``op``, ``upload``, ``read``, ...)."""

@@ -1,6 +1,6 @@
 """The peer's figures: what ``ember status`` / ``ember top`` show and ``/metrics`` exports.
 
-``Figures`` is a subscriber of the server's probe (``server/telemetry.py``). From session events
+``Figures`` is a subscriber of the server's probe (``server/telemetry/probe.py``). From session events
 it keeps the recent transfers, errors and closed sessions and each live session's last error;
 once ``start(ops=True)`` (Prometheus) asked for op events too, it also aggregates messages by
 kind, ops by name, execution-time and queue-wait histograms, batches and payload bytes.
@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from .._version import __version__
-from ..errors import ProtocolError
-from ..protocol import messages as m
+from ..._version import __version__
+from ...errors import ProtocolError
+from ...protocol import messages as m
 from .events import kind_name
-from .telemetry import SESSION_EVENTS, Batch, Error, SessionClosed, SessionOpened, Subscription, \
+from .probe import SESSION_EVENTS, Batch, Error, SessionClosed, SessionOpened, Subscription, \
     Transfer, consume, counters, finish
 
 #: Upper bounds (seconds) of the execution-time and queue-wait histograms.
@@ -68,11 +68,6 @@ class Histogram:
             n += c
             out.append((le, n))
         return out
-
-
-def _vetted_aten(name: str) -> bool:
-    from .aten import refusal  # (imports torch: only asked on peers with a torch device)
-    return refusal(name) is None
 
 
 def _fields(ev: Any) -> dict[str, Any]:
@@ -211,7 +206,7 @@ class Figures:
             return name
         ok = self._vetted.get(name)
         if ok is None:
-            ok = self._torch and name.startswith("aten.") and _vetted_aten(name)
+            ok = self._torch and name.startswith("aten.") and self.server.vetted_aten(name)
             if len(self._vetted) < 8192:
                 self._vetted[name] = ok
         return name if ok else "other"

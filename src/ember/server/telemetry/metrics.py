@@ -2,7 +2,7 @@
 
 ``serve_metrics(server, host, port)`` starts prometheus_client's HTTP server on its own
 registry with one collector. The collector reads ``server.figures`` (a subscriber of the
-probe's events, with op events on: see ``server/figures.py``) and a fresh snapshot of the live
+probe's events, with op events on: see ``server/telemetry/figures.py``) and a fresh snapshot of the live
 state, so a scrape costs the sessions nothing and nothing is counted twice.
 
 Names follow Prometheus' conventions: counters end in ``_total``, durations are ``_seconds``,
@@ -16,9 +16,9 @@ import errno
 import platform
 from typing import Any, Iterator
 
-from .._version import __version__
-from ..errors import BindError
-from ..protocol import messages as m
+from ..._version import __version__
+from ...errors import BindError
+from ...protocol import messages as m
 
 
 def _collector(server: Any) -> Any:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as _np
 
-from ..protocol import codec
+from ...protocol import codec
 
 Fn = Callable[..., Any]
 MULTI = ("meshgrid", "broadcast_arrays", "unstack", "nonzero")
@@ -322,7 +322,7 @@ def torch_ops(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
 # ---- JAX -----------------------------------------------------------------------------------
 
 def jax_ops(xp: Any, dev: Any, table: dict[str, Fn]) -> None:
-    from ..protocol import ops
+    from ...protocol import ops
 
     def setitem(x: Any, value: Any, *arrays: Any, key: list[Any]) -> Any:
         return x.at[codec.decode_key(key, list(arrays))].set(value)

@@ -1,7 +1,7 @@
 """Running registered graphs (REPLAY), the NEED_GRAPH stall, and what an id holds when it has no value.
 
 :class:`GraphReplay` is the part of the :class:`~ember.server.interpreter.Interpreter`
-that executes GRAPH and REPLAY messages (see :mod:`ember.server.graph_cache` for how a
+that executes GRAPH and REPLAY messages (see :mod:`ember.server.execute.graph_cache` for how a
 graph is validated and compiled). It relies on the interpreter's state: ``tensors``,
 ``poison``, ``graphs``, ``mem``, ``_fp``, ``backend``, ``table``, ``custom_ops``,
 ``respond``, ``_stalled`` / ``_stall_gid`` and its ``put`` / ``forget`` /
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..errors import LimitExceeded, ProtocolError, to_wire
-from ..protocol import messages as m
-from ..protocol.codec import safe_repr
+from ...errors import LimitExceeded, ProtocolError, to_wire
+from ...protocol import messages as m
+from ...protocol.codec import safe_repr
 from .graph_cache import compile_graph
 from .sizes import PREDICTED
 
@@ -121,7 +121,7 @@ class GraphReplay:
     _fp: Any
     _stalled: list[list[Any]] | None
     _stall_gid: Any
-    probe: Any           # telemetry (server/telemetry.py)
+    probe: Any           # telemetry (server/telemetry/probe.py)
     label: str
     graph_hits: int
     replayed_ops: int

@@ -12,19 +12,19 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import LimitExceeded, ProtocolError, RemoteExecutionError, to_wire
-from ..protocol import codec, ops
-from ..protocol import messages as m
-from ..protocol.codec import safe_repr
+from ...errors import LimitExceeded, ProtocolError, RemoteExecutionError, to_wire
+from ...protocol import codec, ops
+from ...protocol import messages as m
+from ...protocol.codec import safe_repr
+from ..guard.limits import ClientLimits
+from ..guard.memory import DeviceMemory, SessionMemory, footprint_for, host_copy_bytes
+from ..telemetry.probe import OFF
 from .adapters import adapt
 from .backends import Backend, UnknownOp
 from .graph_cache import GraphCache
-from .memory import DeviceMemory, SessionMemory, footprint_for, host_copy_bytes
 from .holdings import SMALL, Holdings, _ELEMENTWISE
-from .limits import ClientLimits
 from .replay import GraphReplay, NeedGraph, Poison, call_text, describe, describe_layouts, written_of
 from .sizes import PREDICTED, custom_outputs, upload_fault
-from .telemetry import OFF
 
 #: ``respond(responses)`` sends one frame of responses; ``respond([[req, OK, [dtype, shape, 0, nil, total]]],
 #: data)`` sends a read answer whose bytes (a flat byte view of the array) travel in data frames.
@@ -35,7 +35,7 @@ def build_table(backend: Backend) -> dict[str, Callable[..., Any]]:
     """Op name -> callable over the backend, built once per device.
 
     Whitelisted names resolve against the backend's Array API namespace; the adapters
-    (``server/adapters.py``) then fix calling conventions and backend gaps so each op
+    (``server/execute/adapters.py``) then fix calling conventions and backend gaps so each op
     returns exactly the shape and dtype the client computed.
     """
     xp, dev = backend.xp, backend.device
@@ -128,7 +128,7 @@ class Interpreter(GraphReplay, Holdings):
             self.op, self.upload, self.drop, self.read, self.sync, self.custom, self.close, self.sync,
             self.shape, self.graph, self.replay, None, None, None, None, None)
         self.ops_run = 0
-        self.probe, self.label = OFF, ""  # telemetry (server/telemetry.py): the session sets both
+        self.probe, self.label = OFF, ""  # telemetry (server/telemetry/probe.py): the session sets both
         self.graph_hits = self.graph_misses = self.replayed_ops = self.graph_saved = 0
         self.graphs = GraphCache(int(limits.get("graph_cache", m.DEFAULT_GRAPH_CACHE)), memory=self.mem)
         self._stalled: list[list[Any]] | None = None  # REPLAY of an unknown graph + everything after it
@@ -315,7 +315,7 @@ class Interpreter(GraphReplay, Holdings):
             return f"input tensor id(s) {missing[:16]} unknown to this session (dropped or never created)"
         return f"{type(e).__name__}: {str(e)[:500]}"
 
-    # ---- memory: what each tensor costs (see server/memory.py) ---------------------------
+    # ---- memory: what each tensor costs (see server/guard/memory.py) ---------------------------
     def _fail(self, name: str, args: Any, smask: Any, outs: Any, e: Exception, kwargs: Any = None) -> None:
         """Poison ``outs`` with the error (or the upstream poison an input carries)."""
         try:

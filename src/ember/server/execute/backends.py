@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import EmberError
+from ...errors import EmberError
 
 ALL_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
               "float32", "float64", "complex64", "complex128")

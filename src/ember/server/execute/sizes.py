@@ -9,7 +9,7 @@ inputs (broadcasting, ``matmul``, ``tensordot``, ``outer``, ``tile``,
 a broadcast view). :func:`predict` returns an upper bound in bytes (0 when it
 cannot tell: the op then raises on its own, or is charged after it ran); the
 interpreter reserves it only when it exceeds what the op's inputs already hold
-(see :mod:`ember.server.memory`). Every predictor is bounded by the message's
+(see :mod:`ember.server.guard.memory`). Every predictor is bounded by the message's
 own size and never raises.
 """
 
@@ -19,10 +19,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import LimitExceeded, ProtocolError
-from ..protocol import messages as m
-from ..protocol.codec import safe_repr
-from ..protocol import ops
+from ...errors import LimitExceeded, ProtocolError
+from ...protocol import messages as m
+from ...protocol import ops
+from ...protocol.codec import safe_repr
 
 #: Outputs smaller than this are never reserved (charged right after the op instead).
 THRESHOLD = 1 << 20
@@ -307,7 +307,7 @@ PREDICTORS.update({
     "linalg.eigh": _same, "linalg.inv": _same, "linalg.pinv": _same, "linalg.cholesky": _same,
     "linalg.matrix_power": _same, "linalg.solve": _elementwise_for("solve"),
 })
-PREDICTORS.update({  # ember.torch's own ops on torch devices (server/aten.py): storages of n bytes
+PREDICTORS.update({  # ember.torch's own ops on torch devices (server/execute/aten.py): storages of n bytes
     "torch.alloc": lambda vals, kw, xp: int(kw["n"]), "torch.storage_of": _same})
 for _name in ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft"):
     PREDICTORS["fft." + _name] = _fft1

@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Callable
 
-from ..errors import ProtocolError
-from ..protocol import codec
-from ..protocol import messages as m
-from ..protocol.codec import safe_repr
+from ...errors import ProtocolError
+from ...protocol import codec
+from ...protocol import messages as m
+from ...protocol.codec import safe_repr
 from .backends import Backend
 
 Step = tuple[Any, tuple[int, ...], tuple[int, ...], "dict[str, Any] | None", str, tuple[int, ...],

@@ -4,7 +4,7 @@
 puts values under ids and forgets them, charging the session's
 :class:`~ember.server.memory.SessionMemory` by buffer (views of a buffer the session
 holds cost nothing more), reserves the predicted size of an op that may allocate more
-than its inputs hold (:mod:`ember.server.sizes`), and re-charges the operands an ATen op
+than its inputs hold (:mod:`ember.server.execute.sizes`), and re-charges the operands an ATen op
 grew in place. It relies on the interpreter's ``tensors``, ``poison``, ``mem``, ``_fp``,
 ``_numpy``, ``max_tensors``, ``backend`` and ``table``.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import LimitExceeded
-from ..protocol import ops
+from ...errors import LimitExceeded
+from ...protocol import ops
 from .replay import Poison, call_text, limit_poison, written_of
 from .sizes import THRESHOLD, predict
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..protocol import aten as A
+from ...protocol import aten as A
 from . import rnn_cells
 from .backends import UnknownOp
 

@@ -18,7 +18,7 @@ so the server charges
 * uploads their *declared* total at the first chunk (before the buffer exists);
 * creation functions (``zeros``, ``full``, ``arange``, ``eye``...) and every op
   whose output can be larger than its inputs (broadcasting, ``matmul``,
-  ``tile``, advanced indexing...: :mod:`ember.server.sizes`) their predicted
+  ``tile``, advanced indexing...: :mod:`ember.server.execute.sizes`) their predicted
   size before they run; the reservation is replaced by the real figure after;
 * staging copies of reads before the copy, downloads from other peers before
   the buffer is allocated;
@@ -34,7 +34,7 @@ Graph-cache entries, exposed transfers and half-received uploads are charged
 by bytes (:meth:`SessionMemory.charge`). Batches queued for the session's worker
 are *counted* but never refused (``shared_charge``), and answers queued for the
 network appear in the session's figures: back-pressure bounds both instead
-(``max_inflight``, ``stage_window`` in :mod:`ember.server.limits`). Closing a
+(``max_inflight``, ``stage_window`` in :mod:`ember.server.guard.limits`). Closing a
 session returns everything it held (:meth:`SessionMemory.close`).
 
 Anything else that keeps memory for a session (e.g. the PyTorch frontend's
@@ -54,7 +54,7 @@ import re
 import threading
 from typing import Any, Callable
 
-from ..errors import LimitExceeded
+from ...errors import LimitExceeded
 
 #: Fractions of physical memory a device budget takes by default.
 HOST_FRACTION = 0.75

@@ -1,9 +1,9 @@
 """The telemetry probe: what a compute peer is doing, as events (Burn Remote's ``TelemetryProbe``).
 
 One ``Probe`` per server (``server.telemetry``). The session pump, the interpreter and the
-transfer code call it at fixed points; Prometheus (``server/metrics.py``), ``ember top`` /
-``ember status`` (``server/figures.py``, answered over STATS) and the session log
-(``server/session_log.py``) are subscribers of the same events.
+transfer code call it at fixed points; Prometheus (``server/telemetry/metrics.py``), ``ember top`` /
+``ember status`` (``server/telemetry/figures.py``, answered over STATS) and the session log
+(``server/telemetry/session_log.py``) are subscribers of the same events.
 
 Two tiers, so that nobody pays for what nobody watches:
 
@@ -33,8 +33,8 @@ with ``Missed(count)``. ``async for ev in sub`` works too (it polls every 20 ms)
 Figures that are state rather than events (live sessions and their counters, memory held) are
 read on demand: a session counts its frames and bytes with an integer addition per frame, its
 interpreter counts messages per batch and graph replays per replay, and memory is summed only
-when a snapshot is asked for (``server.figures.snapshot()``, ``server/figures.py``). The event
-classes live in ``server/events.py`` (and are importable from here).
+when a snapshot is asked for (``server.figures.snapshot()``, ``server/telemetry/figures.py``). The event
+classes live in ``server/telemetry/events.py`` (and are importable from here).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import time
 from collections import Counter, deque
 from typing import Any, Callable, Iterable, Iterator
 
-from ..protocol import messages as m
+from ...protocol import messages as m
 from .events import (EVENTS, KINDS, OP_EVENTS, SESSION_EVENTS, Batch, Error, GraphEvicted, GraphMissed,  # noqa: F401
                      Missed, Op, SessionClosed, SessionOpened, SessionRefused, Transfer, kind_name, unpack)
 DEFAULT_CAPACITY = 4096
