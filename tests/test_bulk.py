@@ -128,9 +128,9 @@ def test_an_upload_read_into_place_by_the_network_loop_is_charged_and_given_back
         assert int(xp.sum(xp.astype(x, xp.int64))) == 3 * 2**20 + 5
         del x
         d.sync()
-        assert wait_until(lambda: srv.memory_stats()["sessions"][0]["held"] < 1 << 16)
+        assert wait_until(lambda: srv.memory_stats()["sessions"][0]["held"] < 1 << 16, 30.0)
         d.close()
-        assert wait_until(lambda: srv.memory_held() == 0)
+        assert wait_until(lambda: srv.memory_held() == 0, 30.0)  # (conditions: a loaded box is slow, not wrong)
     finally:
         srv.close()
 

@@ -194,27 +194,27 @@ def test_a_vanished_client_s_session_ends_and_frees_its_memory_while_an_idle_one
     """A client whose link dies without a FIN (the proxy swallows everything) would hold its session
     and its memory for ever; the peer ends it after --idle-timeout of silence. An idle client with a
     live link pings within that window and keeps its session and arrays."""
-    srv = make_peer(idle_timeout=2.0)
+    window = 3.0  # the peer's silence window; the client pings 30 times within it and waits 4 s for an answer
+    srv = make_peer(idle_timeout=window)
     proxy = DroppingProxy("tcp", int(srv.addresses[0].rsplit(":", 1)[1]))
     held = lambda: srv.memory_stats()["devices"][0]["held"]  # noqa: E731
     try:
-        d = ember.connect(f"ws://127.0.0.1:{proxy.port}", heartbeat_interval=0.1, heartbeat_timeout=1.5,
-                          timeout=3.0)
+        d = ember.connect(f"ws://127.0.0.1:{proxy.port}", heartbeat_interval=0.1, heartbeat_timeout=4.0,
+                          timeout=5.0)
         x = xp.asarray(np.ones(1 << 16), device=d)
         assert float(xp.sum(x)) == 1 << 16
         assert held() >= 8 << 16
         session = next(iter(srv.sessions.values()))
         t0, pinged = time.monotonic(), session.bytes_in
-        time.sleep(3.5)  # idle past the timeout on purpose: the client's pings keep the session
-        assert session.bytes_in > pinged and time.monotonic() - t0 >= 3.5
+        time.sleep(window + 1.5)  # idle past the window on purpose (the subject, not a synchronisation)
+        assert session.bytes_in > pinged and time.monotonic() - t0 >= window + 1.5  # its pings kept it
         assert float(xp.sum(x)) == 1 << 16 and len(srv.sessions) == 1  # same session, same array
         proxy.dropping = True
         t0 = time.monotonic()
-        assert wait_until(lambda: srv.telemetry.closed["silent"] == 1, 15.0)  # (reported once it has ended)
+        assert wait_until(lambda: srv.telemetry.closed["silent"] == 1, 30.0)  # (reported once it has ended)
         took = time.monotonic() - t0
-        assert took < 2.0 + 0.5 + 2.0 + 4.0, took  # the window, its check period, the close's wait, slack
-        assert not srv.sessions
-        assert held() == 0  # its memory is back in the budget
+        assert took < window + 0.5 + 2.0 + 9.0, took  # the window, its check period, the close's wait, slack
+        assert wait_until(lambda: not srv.sessions and held() == 0, 10.0)  # its memory is back in the budget
         with pytest.raises(SessionLost, match="did not answer"):  # its unanswered ping told the client
             x.to_numpy()
         proxy.dropping = False
