@@ -5,6 +5,8 @@
   CPU copy formatted, with ``device='ember:0'`` in the suffix as CUDA shows it.
 * ``torch.save``: an ember tensor pickles as its CPU copy, so a checkpoint loads on a
   machine without Ember (``weights_only=True`` included).
+* ``Module.to("ember")`` / ``.cpu()``: parameters keep their objects (tied weights stay tied,
+  an optimizer made before the move trains them), swapped in place as torch swaps a subclass.
 * Special ops: copies between ember and CPU (``copy_``, ``_copy_from``), ``.item()``,
   ``set_`` (client-side storage sharing), ``resize_`` (grows the peer's storage), pinning;
   ``conj()`` of a complex tensor is a copy (``conj_physical``), not torch's lazy conjugate view
@@ -13,6 +15,8 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -173,6 +177,35 @@ def _install_save() -> None:
     torch.Tensor._reduce_ex_internal = _reduce_ex_internal  # type: ignore[method-assign]
 
 
+_crossing = threading.local()  # the (param, applied) pair Module._apply is deciding about
+
+
+def _install_module_apply() -> None:
+    """``Module._apply`` keeps a parameter object (``param.data = applied``) only when torch deems the
+    two tensor types shallow-copy compatible, which a CPU and a PrivateUse1 tensor never are (CPU and
+    CUDA are): it would make a new Parameter, untying shared weights. For a move between ember and
+    another device, the parameter is swapped in place instead (``torch.utils.swap_tensors``, torch's
+    own path for tensor subclasses), when the swap can succeed."""
+    import torch.nn.modules.module as mm
+    compatible, is_wrapper = torch._has_compatible_shallow_copy_type, mm.is_traceable_wrapper_subclass
+    if getattr(compatible, "_ember", False):
+        return
+
+    def _has_compatible_shallow_copy_type(input: torch.Tensor, from_: torch.Tensor) -> bool:  # noqa: A002
+        ok = compatible(input, from_)  # (torch's own names: Dynamo checks the signature)
+        _crossing.pair = None if ok or (input.device.type == "ember") == (from_.device.type == "ember") or \
+            weakref.getweakrefs(input) or input._use_count() > 2 else (input, from_)
+        return ok
+
+    def is_traceable_wrapper_subclass(t: Any) -> bool:
+        pair, _crossing.pair = getattr(_crossing, "pair", None), None
+        return is_wrapper(t) or pair is not None and pair[1] is t and isinstance(pair[0], torch.nn.Parameter)
+
+    _has_compatible_shallow_copy_type._ember = True  # type: ignore[attr-defined]
+    torch._has_compatible_shallow_copy_type = _has_compatible_shallow_copy_type
+    mm.is_traceable_wrapper_subclass = is_traceable_wrapper_subclass
+
+
 _FLASH = 1  # sdp::SDPBackend::flash_attention
 
 
@@ -217,6 +250,7 @@ def install() -> list[Any]:
     _install_ops()
     _install_print()
     _install_save()
+    _install_module_apply()
     return [lib]
 
 
