@@ -5,6 +5,7 @@
   CPU copy formatted, with ``device='ember:0'`` in the suffix as CUDA shows it.
 * ``torch.save``: an ember tensor pickles as its CPU copy, so a checkpoint loads on a
   machine without Ember (``weights_only=True`` included).
+* Pinning: ``ember`` is torch's accelerator; pinning a CPU tensor for it is a no-op.
 * ``Module.to("ember")`` / ``.cpu()``: parameters keep their objects (tied weights stay tied,
   an optimizer made before the move trains them), swapped in place as torch swaps a subclass.
 * Special ops: copies between ember and CPU (``copy_``, ``_copy_from``), ``.item()``,
@@ -177,6 +178,31 @@ def _install_save() -> None:
     torch.Tensor._reduce_ex_internal = _reduce_ex_internal  # type: ignore[method-assign]
 
 
+def _install_pinning() -> None:
+    """``ember`` is torch's accelerator, so ``DataLoader(pin_memory=True)`` pins each batch for it:
+    pinning a CPU tensor for ember is a no-op (the tensor itself is returned; a host-to-peer copy is
+    serialized either way, so page-locked memory would gain nothing), pinning for another device is
+    torch's own."""
+    original_pin, original_is_pinned = torch.Tensor.pin_memory, torch.Tensor.is_pinned
+    if getattr(original_pin, "_ember", False):
+        return
+
+    def for_ember(device: Any) -> bool:
+        return torch.device(device).type == "ember" if device is not None else \
+            torch._C._get_privateuse1_backend_name() == getattr(torch.accelerator.current_accelerator(), "type", None)
+
+    def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+        return self if self.device.type == "cpu" and for_ember(device) else original_pin(self, *(
+            () if device is None else (device,)))
+
+    def is_pinned(self: torch.Tensor, device: Any = None) -> bool:
+        return False if self.device.type == "cpu" and for_ember(device) else original_is_pinned(self, *(
+            () if device is None else (device,)))
+
+    pin_memory._ember = True  # type: ignore[attr-defined]
+    torch.Tensor.pin_memory, torch.Tensor.is_pinned = pin_memory, is_pinned  # type: ignore[method-assign]
+
+
 _crossing = threading.local()  # the (param, applied) pair Module._apply is deciding about
 
 
@@ -251,6 +277,9 @@ def install() -> list[Any]:
     _install_print()
     _install_save()
     _install_module_apply()
+    _install_pinning()
+    from . import _checkpoint
+    _checkpoint.install()
     return [lib]
 
 
