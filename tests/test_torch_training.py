@@ -136,12 +136,16 @@ def test_parameters_stay_parameters_and_deepcopy_works() -> None:
     assert not torch.equal(twin(x).cpu(), m(x).cpu())  # a copy, not an alias
 
 
-def test_dataloader_with_pin_memory_is_tolerated() -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_with_pin_memory_works_for_the_ember_accelerator(workers: int) -> None:
+    assert torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == "ember"
     ds = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randint(0, 4, (16,)))
-    loader = torch.utils.data.DataLoader(ds, batch_size=8, pin_memory=True)
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, pin_memory=True, num_workers=workers)
     m = W.MLP().to("ember")
     seen = 0
-    with pytest.warns(UserWarning, match="pin_memory"):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no accelerator is found": pinning for ember is a no-op
         for x, y in loader:
             loss = torch.nn.functional.cross_entropy(m(x.to("ember")), y.to("ember"))
             loss.backward()

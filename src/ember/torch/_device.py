@@ -35,8 +35,8 @@ class EmberModule:
 
     @staticmethod
     def is_available() -> bool:
-        # False keeps DataLoader(pin_memory=True) working: it skips pinning, as on a CPU-only torch
-        return False
+        # torch.accelerator.is_available(): ember is the accelerator (pinning host memory is a no-op, _patches)
+        return True
 
     @staticmethod
     def is_initialized() -> bool:

@@ -5,6 +5,9 @@
   CPU copy formatted, with ``device='ember:0'`` in the suffix as CUDA shows it.
 * ``torch.save``: an ember tensor pickles as its CPU copy, so a checkpoint loads on a
   machine without Ember (``weights_only=True`` included).
+* Pinning: ``ember`` is torch's accelerator; pinning a CPU tensor for it is a no-op.
+* ``Module.to("ember")`` / ``.cpu()``: parameters keep their objects (tied weights stay tied,
+  an optimizer made before the move trains them), swapped in place as torch swaps a subclass.
 * Special ops: copies between ember and CPU (``copy_``, ``_copy_from``), ``.item()``,
   ``set_`` (client-side storage sharing), ``resize_`` (grows the peer's storage), pinning;
   ``conj()`` of a complex tensor is a copy (``conj_physical``), not torch's lazy conjugate view
@@ -13,6 +16,8 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -173,6 +178,60 @@ def _install_save() -> None:
     torch.Tensor._reduce_ex_internal = _reduce_ex_internal  # type: ignore[method-assign]
 
 
+def _install_pinning() -> None:
+    """``ember`` is torch's accelerator, so ``DataLoader(pin_memory=True)`` pins each batch for it:
+    pinning a CPU tensor for ember is a no-op (the tensor itself is returned; a host-to-peer copy is
+    serialized either way, so page-locked memory would gain nothing), pinning for another device is
+    torch's own."""
+    original_pin, original_is_pinned = torch.Tensor.pin_memory, torch.Tensor.is_pinned
+    if getattr(original_pin, "_ember", False):
+        return
+
+    def for_ember(device: Any) -> bool:
+        return torch.device(device).type == "ember" if device is not None else \
+            torch._C._get_privateuse1_backend_name() == getattr(torch.accelerator.current_accelerator(), "type", None)
+
+    def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+        return self if self.device.type == "cpu" and for_ember(device) else original_pin(self, *(
+            () if device is None else (device,)))
+
+    def is_pinned(self: torch.Tensor, device: Any = None) -> bool:
+        return False if self.device.type == "cpu" and for_ember(device) else original_is_pinned(self, *(
+            () if device is None else (device,)))
+
+    pin_memory._ember = True  # type: ignore[attr-defined]
+    torch.Tensor.pin_memory, torch.Tensor.is_pinned = pin_memory, is_pinned  # type: ignore[method-assign]
+
+
+_crossing = threading.local()  # the (param, applied) pair Module._apply is deciding about
+
+
+def _install_module_apply() -> None:
+    """``Module._apply`` keeps a parameter object (``param.data = applied``) only when torch deems the
+    two tensor types shallow-copy compatible, which a CPU and a PrivateUse1 tensor never are (CPU and
+    CUDA are): it would make a new Parameter, untying shared weights. For a move between ember and
+    another device, the parameter is swapped in place instead (``torch.utils.swap_tensors``, torch's
+    own path for tensor subclasses), when the swap can succeed."""
+    import torch.nn.modules.module as mm
+    compatible, is_wrapper = torch._has_compatible_shallow_copy_type, mm.is_traceable_wrapper_subclass
+    if getattr(compatible, "_ember", False):
+        return
+
+    def _has_compatible_shallow_copy_type(input: torch.Tensor, from_: torch.Tensor) -> bool:  # noqa: A002
+        ok = compatible(input, from_)  # (torch's own names: Dynamo checks the signature)
+        _crossing.pair = None if ok or (input.device.type == "ember") == (from_.device.type == "ember") or \
+            weakref.getweakrefs(input) or input._use_count() > 2 else (input, from_)
+        return ok
+
+    def is_traceable_wrapper_subclass(t: Any) -> bool:
+        pair, _crossing.pair = getattr(_crossing, "pair", None), None
+        return is_wrapper(t) or pair is not None and pair[1] is t and isinstance(pair[0], torch.nn.Parameter)
+
+    _has_compatible_shallow_copy_type._ember = True  # type: ignore[attr-defined]
+    torch._has_compatible_shallow_copy_type = _has_compatible_shallow_copy_type
+    mm.is_traceable_wrapper_subclass = is_traceable_wrapper_subclass
+
+
 _FLASH = 1  # sdp::SDPBackend::flash_attention
 
 
@@ -217,6 +276,10 @@ def install() -> list[Any]:
     _install_ops()
     _install_print()
     _install_save()
+    _install_module_apply()
+    _install_pinning()
+    from . import _checkpoint
+    _checkpoint.install()
     return [lib]
 
 

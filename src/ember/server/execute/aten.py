@@ -13,13 +13,12 @@ in :data:`ember.protocol.aten.CATEGORY` (tensors, scalars, ints, bools, dtypes..
 so nothing taking a storage, a stream or a file can be named, and a deny list
 removes what reads files, maps or leaves memory uninitialised, skips bounds checks,
 or is about pinned memory, sparse, quantized or nested tensors. Random ops draw from
-the session's own generator (``torch.seed`` reseeds it), never from another
-session's stream.
+the session's own generator (``torch.seed`` reseeds it; :mod:`.session_random`), never from
+another session's stream nor the process-wide one.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable
 
 import torch
@@ -27,6 +26,7 @@ import torch
 from ...protocol import aten as A
 from . import rnn_cells
 from .backends import UnknownOp
+from .session_random import SessionRandom
 
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in A.DTYPES if isinstance(getattr(torch, n, None),
                                                                                       torch.dtype)}
@@ -40,7 +40,6 @@ _LENIENT = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_embeddi
 """Ops whose CPU kernel and meta kernel disagree on the size of an auxiliary output, one of them
 empty (batch norm's saved statistics in eval mode, embedding bag's unused max indices): the peer
 stores zeros in the client's layout, so the client's picture stays true."""
-_rng_locks: dict[str, threading.Lock] = {}
 rnn_cells.install("CPU")  # nn.LSTM / nn.GRU on an ember tensor take torch's fused cells: CUDA-only kernels
 
 
@@ -106,28 +105,6 @@ def as_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.empty((0,), dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
-class SessionRandom:
-    """A session's random stream on one device (reseeded by ``torch.seed``)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.generator = torch.Generator(device=device)
-        self.lock = _rng_locks.setdefault(str(device), threading.Lock())
-
-    def run(self, fn: Callable[[], Any]) -> Any:
-        """Run an op that draws from the device's default generator, on this session's stream."""
-        d = torch.default_generator if self.device.type == "cpu" else \
-            torch.cuda.default_generators[self.device.index or 0]
-        with self.lock:
-            saved = d.get_state()
-            d.set_state(self.generator.get_state())
-            try:
-                return fn()
-            finally:
-                self.generator.set_state(d.get_state())
-                d.set_state(saved)
-
-
 class AtenKernel:
     """One vetted overload: binds a message's template to the schema, runs it, stores the results."""
 
@@ -139,6 +116,7 @@ class AtenKernel:
         self.seeded = torch.Tag.nondeterministic_seeded in op.tags and not any(c == A.GENERATOR
                                                                                 for _, c, _, _ in self.args)
         self.resize = name.split(".")[1] in _RESIZE
+        self.draw = rng.runner(op) if self.seeded else None
 
     def written(self, kwargs: Any) -> list[int]:
         """Positions (among the message's args: the scalar list, then the operands) of the operands this
@@ -162,8 +140,8 @@ class AtenKernel:
         dev = self.device
         tensors = [operand(b, lay, dev) for b, lay in zip(bufs, l)]
         args, kwargs, before = self._bind(a, tensors, scalars)
-        if self.seeded:
-            res = self.rng.run(lambda: self.op(*args, **kwargs))
+        if self.draw is not None:
+            res = self.draw(args, kwargs)
         else:
             res = self.op(*args, **kwargs)
         for t, nbytes in before:

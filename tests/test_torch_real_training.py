@@ -1,0 +1,167 @@
+"""ember.torch under real training code: tied weights, the embedded peer's random state.
+
+A nanoGPT-style GPT (tied ``wte``/``lm_head``, dropout, causal SDPA, AdamW with decay groups)
+trains bit-equal to local CPU torch on the embedded peer and over WebSocket, its batches drawn
+with the user's own CPU ``torch.randint`` between steps; the user's CPU random stream is the
+same with and without an embedded peer running random ops at the same time.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ember  # noqa: E402
+import ember.torch  # noqa: E402,F401
+from torch import nn  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB, CTX, EMBD, HEADS = 32, 16, 32, 4
+
+
+class Block(nn.Module):
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(EMBD), nn.LayerNorm(EMBD)
+        self.qkv, self.proj = nn.Linear(EMBD, 3 * EMBD), nn.Linear(EMBD, EMBD)
+        self.mlp = nn.Sequential(nn.Linear(EMBD, 4 * EMBD), nn.GELU(), nn.Linear(4 * EMBD, EMBD), nn.Dropout(dropout))
+
+    def forward(self, x: Any) -> Any:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(EMBD, dim=2)
+        q, k, v = (t.view(B, T, HEADS, C // HEADS).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.proj(y)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT's shape in miniature: the output head shares the token embedding's weight. (Dropout
+    off by default, as nanoGPT's: a peer's generator is not the CPU's, as CUDA's is not.)"""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, EMBD), nn.Embedding(CTX, EMBD)
+        self.drop, self.ln_f = nn.Dropout(dropout), nn.LayerNorm(EMBD)
+        self.blocks = nn.Sequential(Block(dropout), Block(dropout))
+        self.lm_head = nn.Linear(EMBD, VOCAB, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: Any, targets: Any) -> Any:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.ln_f(self.blocks(self.drop(self.wte(idx) + self.wpe(pos))))
+        return F.cross_entropy(self.lm_head(x).view(-1, VOCAB), targets.view(-1))
+
+
+def optimizer(model: nn.Module) -> Any:
+    """nanoGPT's configure_optimizers: decay the 2-d parameters only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=3e-3, betas=(0.9, 0.95))
+
+
+def train(device: str, steps: int) -> tuple[list[float], list[Any]]:
+    """Build on CPU, make the optimizer, then move (as a user who builds first would); every batch
+    is drawn with CPU torch.randint from the process-wide generator."""
+    torch.manual_seed(1337)
+    data = torch.randint(VOCAB, (4000,))
+    model = GPT()
+    opt = optimizer(model)
+    model.to(device)
+    losses = []
+    for it in range(steps):
+        ix = torch.randint(len(data) - CTX - 1, (8,))
+        x = torch.stack([data[i:i + CTX] for i in ix]).to(device)
+        y = torch.stack([data[i + 1:i + 1 + CTX] for i in ix]).to(device)
+        loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+def test_tied_weights_stay_one_parameter_and_the_optimizer_made_before_the_move_trains() -> None:
+    model = GPT(dropout=0.1)
+    before = list(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model.to("ember")
+    after = list(model.parameters())
+    assert len(after) == len(before) and all(p is q for p, q in zip(before, after))
+    assert model.wte.weight is model.lm_head.weight and model.wte.weight.device.type == "ember"
+    assert isinstance(model.wte.weight, nn.Parameter)
+    w0 = model.wte.weight.detach().cpu()
+    idx = torch.randint(VOCAB, (2, CTX), device="ember")
+    model(idx, idx).backward()
+    opt.step()
+    assert not torch.equal(model.wte.weight.detach().cpu(), w0)  # the optimizer's parameter is the model's
+    grad = model.wte.weight.grad
+    model.cpu()  # and back, gradients included
+    assert model.wte.weight is before[0] and model.lm_head.weight is before[0]
+    assert model.wte.weight.device.type == "cpu" and model.wte.weight.grad.device.type == "cpu"
+    assert torch.equal(model.wte.weight.grad, grad.cpu())
+
+
+@pytest.mark.parametrize("transport", ["embedded", "websocket"])
+def test_a_nanogpt_style_gpt_trains_bit_equal_to_local_cpu(torch_peer: str, transport: str) -> None:
+    steps = 25  # (bench/torch_real_training.py runs 200)
+    cpu = train("cpu", steps)
+    if transport == "embedded":
+        got = train("ember", steps)
+    else:
+        with ember.connect(torch_peer):
+            got = train("ember", steps)
+    assert got[0] == cpu[0], f"losses differ: {got[0]} vs {cpu[0]}"
+    assert all(torch.equal(p, q) for p, q in zip(got[1], cpu[1]))
+    assert math.isfinite(cpu[0][-1]) and cpu[0][-1] < cpu[0][0]
+
+
+def test_the_users_cpu_random_stream_is_untouched_by_a_concurrent_embedded_peer() -> None:
+    def stream() -> list[Any]:
+        torch.manual_seed(7)
+        return [torch.randint(1000, (16,)) for _ in range(40)]
+
+    expected = stream()
+    x = torch.ones(64, 64, device="ember")
+    q = torch.randn(1, 2, 8, 4, device="ember")
+    stop, ran = threading.Event(), [0]
+
+    def peer_work() -> None:  # random ops on the embedded peer: dropout, randn, attention
+        while not stop.is_set():
+            F.dropout(x, 0.5).sum().item()
+            torch.randn(32, device="ember").sum().item()
+            F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().item()
+            ran[0] += 1
+
+    worker = threading.Thread(target=peer_work)
+    worker.start()
+    reps = 0
+    try:
+        while reps < 30 or ran[0] < 30 and worker.is_alive():  # many draws while the peer draws too
+            got = stream()
+            assert all(torch.equal(a, b) for a, b in zip(got, expected)), f"repetition {reps} differs"
+            reps += 1
+    finally:
+        stop.set()
+        worker.join(30)
+    assert ran[0] >= 30
+
+
+def test_random_ops_on_ember_still_equal_local_cpu_with_the_same_seed() -> None:
+    def draws(device: str) -> list[Any]:
+        torch.manual_seed(11)
+        x = torch.ones(5, 7, device=device)
+        return [t.cpu() for t in (torch.randn(3, 4, device=device), torch.rand(6, device=device),
+                                  torch.randint(0, 9, (5,), device=device), torch.randperm(8, device=device),
+                                  F.dropout(x, 0.3), F.dropout(x.t(), 0.6), torch.randn_like(x))]
+
+    assert all(torch.equal(a, b) for a, b in zip(draws("ember"), draws("cpu")))
