@@ -42,6 +42,13 @@ def _as_strided_scatter(op: Any, x: torch.Tensor, src: torch.Tensor, size: Any, 
     return out
 
 
+def _into(out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``out=``: the value in the caller's tensor, resized as ATen's ``resize_output`` does."""
+    if out.shape != value.shape:
+        aten.resize_.default(out, value.shape)
+    return aten.copy_.default(out, value)
+
+
 def _zeros(op: Any, size: Any, *, dtype: Any = None, layout: Any = None, device: Any = None,
            pin_memory: Any = None) -> torch.Tensor:
     return aten.zeros.default(size, dtype=dtype, layout=layout, device=device)
@@ -71,6 +78,9 @@ def install() -> None:
         D.SPECIAL[id(op)] = lambda _op, *a, _fn=fn, **k: _fn(*a, **k)
     D.SPECIAL[id(aten._efficientzerotensor.default)] = _zeros
     D.SPECIAL[id(aten.as_strided_scatter.default)] = _as_strided_scatter
+    for base in ("as_strided_copy", "as_strided_scatter"):
+        functional = getattr(aten, base).default
+        D.SPECIAL[id(getattr(aten, base).out)] = lambda _op, *a, out, _f=functional, **k: _into(out, _f(*a, **k))
     D.on_host = on_host
 
 

@@ -69,6 +69,9 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
     flag = _META_DIFFERS.get(i.base)
     if flag is not None and any(n == flag and v for (n, *_r), v in zip(i.args, values)):
         raise DataDependent(f"{i.name}: the meta kernel's shapes differ from the devices' with {flag}")
+    evaluating = i.base in _EVAL_STATS and not any(n == "training" and v for (n, *_r), v in zip(i.args, values))
+    if evaluating and any(i.writes):
+        raise DataDependent(f"{i.name}: in evaluation the devices' saved statistics are empty")
     try:
         res = call(i, mvalues)
     except NotImplementedError as e:
@@ -78,6 +81,8 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
                 "meta" in str(e).lower() and "kernel" in str(e).lower():
             raise DataDependent(str(e)) from None
         raise
+    if evaluating:  # CPU and CUDA save no statistics in evaluation (the meta kernel sizes them)
+        res = (res[0], *[torch.empty((0,), dtype=r.dtype, device="meta") for r in res[1:3]], *res[3:])
     plan = Plan()
     flat: list[Any]
     if isinstance(res, torch.Tensor):
@@ -139,6 +144,9 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
 _META_DIFFERS = {"_embedding_bag": "include_last_offset", "_embedding_bag_forward_only": "include_last_offset"}
 """Ops whose meta kernel infers other auxiliary shapes than the CPU/CUDA kernels when a flag is set: run as
 data-dependent (the peer's own shapes come back), never guessed."""
+
+_EVAL_STATS = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training"})
+"""Batch norms whose saved mean and inverse std are empty on the devices when not training."""
 
 _ITEMSIZE = {dtype_name(d): d.itemsize for d in (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
