@@ -143,6 +143,8 @@ def register() -> None:
         _libs.extend([fallback, claims])
         from . import _patches
         _libs.extend(_patches.install())
+        from . import _decomposed
+        _decomposed.install()
         from . import _autocast
         _libs.extend(_autocast.install())
         from ..server.execute import rnn_cells  # meta kernels torch lacks (the GRU cells: no round trip for nn.GRU),

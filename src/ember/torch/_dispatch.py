@@ -90,6 +90,8 @@ def _walk(i: OpInfo, values: list[Any]) -> tuple[list[Any], list[torch.Tensor], 
             if v is not None:
                 v = torch.device(v)
                 if v.type != "ember":
+                    if v.type in ("cpu", "meta"):
+                        raise _OtherDevice(v)
                     raise WrongDevice(f"{i.name} was asked for a {v} tensor among ember tensors",
                                       hint="move data with .to('ember') or .cpu()")
             template.append(None if v is None else 1)
@@ -172,11 +174,24 @@ def kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
     return kernel_generic(op, *args, **kwargs)
 
 
+class _OtherDevice(Exception):
+    """The call asks for a result on a local device (``zeros_like(t, device="cpu")``)."""
+
+
+#: Runs a call whose device= is local (set by ``_decomposed``): (info, values, device) -> result.
+on_host: Callable[[OpInfo, list[Any], torch.device], Any] | None = None
+
+
 def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
     """The generic path: infer (cached), record one message, build the outputs."""
     i = info(op)
     values = bound(i, args, kwargs)
-    template, operands, refs, scalars, key = _walk(i, values)
+    try:
+        template, operands, refs, scalars, key = _walk(i, values)
+    except _OtherDevice as e:
+        if on_host is None:
+            raise WrongDevice(f"{i.name} was asked for a {e.args[0]} tensor among ember tensors") from None
+        return on_host(i, values, e.args[0])
     k = (i, *key)
     plan = _cache.get(k)
     counters["ops"] += 1
@@ -197,6 +212,8 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
     if plan.send:
         if i.seeded:
             apply_seed(s)
+        for j, need in plan.grow:
+            grow(refs[j], operands[j], need)
         for r in refs:
             if r.pending is not None:
                 materialize(r)
@@ -230,6 +247,17 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
     if plan.ret == "none":
         return None
     return out if plan.ret == "list" else tuple(out)
+
+
+def grow(r: StorageRef, t: torch.Tensor, need: int) -> None:
+    """Make the peer's storage behind ``t`` at least ``need`` bytes (growth zeroed), before an op writes there."""
+    if need <= t.untyped_storage().nbytes():
+        return
+    if r.pending is not None:
+        r.pending = max(r.pending, need)
+        return
+    live_session(r).record([_OP, "aten.resize_.default", [[], r.sid], 1, [],
+                            {"a": [0, [need], None], "l": [[[0], [1], 0, "uint8"]], "o": []}])
 
 
 def meta_call(i: OpInfo, values: list[Any]) -> Any:

@@ -29,7 +29,7 @@ class DataDependent(Exception):
 class Plan:
     """What one (op, layouts, literals) does: the message's fixed part and how to build the outputs."""
 
-    __slots__ = ("send", "kwargs", "outputs", "n_fresh", "relayout", "ret", "fresh_nbytes", "value")
+    __slots__ = ("send", "kwargs", "outputs", "n_fresh", "relayout", "ret", "fresh_nbytes", "value", "grow")
 
     def __init__(self) -> None:
         self.send = True
@@ -40,6 +40,7 @@ class Plan:
         self.ret = "one"   # one | tuple | list | none
         self.fresh_nbytes: list[int] = []
         self.value = False  # a non-tensor result: run remotely and read
+        self.grow: list[tuple[int, int]] = []  # (operand, bytes): written operands resized before the op
 
 
 def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: list[Any],
@@ -65,14 +66,23 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
             v = torch.device("meta")
         mvalues.append(v)
     before = [(tuple(m.shape), tuple(m.stride()), m.storage_offset()) for m in metas]
+    flag = _META_DIFFERS.get(i.base)
+    if flag is not None and any(n == flag and v for (n, *_r), v in zip(i.args, values)):
+        raise DataDependent(f"{i.name}: the meta kernel's shapes differ from the devices' with {flag}")
+    evaluating = i.base in _EVAL_STATS and not any(n == "training" and v for (n, *_r), v in zip(i.args, values))
+    if evaluating and any(i.writes):
+        raise DataDependent(f"{i.name}: in evaluation the devices' saved statistics are empty")
     try:
         res = call(i, mvalues)
     except NotImplementedError as e:
         raise DataDependent(str(e)) from None
     except RuntimeError as e:
-        if "data-dependent" in str(e) or "meta" in str(e).lower() and "kernel" in str(e).lower():
+        if "data-dependent" in str(e) or "without output_size" in str(e) or \
+                "meta" in str(e).lower() and "kernel" in str(e).lower():
             raise DataDependent(str(e)) from None
         raise
+    if evaluating:  # CPU and CUDA save no statistics in evaluation (the meta kernel sizes them)
+        res = (res[0], *[torch.empty((0,), dtype=r.dtype, device="meta") for r in res[1:3]], *res[3:])
     plan = Plan()
     flat: list[Any]
     if isinstance(res, torch.Tensor):
@@ -121,9 +131,22 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
     writes = any(w for w in i.writes)
     pure_view = not writes and plan.n_fresh == 0
     plan.send = not (i.inplace_view or pure_view or i.alloc)
+    if plan.send and plan.relayout:  # out= to resize: sized here, so the peer's kernel keeps the client's layout
+        layouts = list(layouts)
+        for k, size, stride, off in plan.relayout:
+            lay = [list(size), list(stride), off, layouts[k][3]]
+            layouts[k] = lay
+            plan.grow.append((k, A.layout_extent(lay, _ITEMSIZE)))
     plan.kwargs = {"a": template, "l": layouts, "o": specs}
     return plan
 
+
+_META_DIFFERS = {"_embedding_bag": "include_last_offset", "_embedding_bag_forward_only": "include_last_offset"}
+"""Ops whose meta kernel infers other auxiliary shapes than the CPU/CUDA kernels when a flag is set: run as
+data-dependent (the peer's own shapes come back), never guessed."""
+
+_EVAL_STATS = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training"})
+"""Batch norms whose saved mean and inverse std are empty on the devices when not training."""
 
 _ITEMSIZE = {dtype_name(d): d.itemsize for d in (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,

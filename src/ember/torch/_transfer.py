@@ -31,6 +31,8 @@ _DTYPES = {dtype_name(d): d for d in (torch.bool, torch.uint8, torch.int8, torch
 def _bytes_of(host: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor's bytes as a flat uint8 array (no copy)."""
     flat = host.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:  # one element, any stride: still "contiguous" to torch
+        flat = flat.clone(memory_format=torch.contiguous_format)
     return (flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)).numpy()
 
 
@@ -126,7 +128,29 @@ def run_dynamic(i: OpInfo, operands: list[torch.Tensor], scalars: list[Any], tem
             size, stride, off, dt = desc[k:k + n], desc[k + n:k + 2 * n], desc[k + 2 * n], desc[k + 2 * n + 1]
             k += 2 * n + 2
             results.append(new_tensor(_DTYPES[A.DTYPES[dt]], size, stride, off, ref=StorageRef(tid, s, dev)))
+    for k, j in _written_returns(i).items():  # out=: the result lands in the caller's tensor, resized
+        out, res = values[j], results[k]
+        if isinstance(out, torch.Tensor) and isinstance(res, torch.Tensor):
+            torch.ops.aten.resize_.default(out, res.shape)
+            torch.ops.aten.copy_.default(out, res)
+            results[k] = out
     return results[0] if len(results) == 1 else tuple(results)
+
+
+_written: dict[int, dict[int, int]] = {}
+
+
+def _written_returns(i: OpInfo) -> dict[int, int]:
+    """Return position -> schema argument position, for the returns that are written arguments (out=)."""
+    w = _written.get(id(i.op))
+    if w is None:
+        schema = i.op._schema
+        sets = {next(iter(a.alias_info.before_set)): n for n, a in enumerate(schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write and a.alias_info.before_set}
+        w = _written[id(i.op)] = {k: sets[next(iter(r.alias_info.before_set))] for k, r in enumerate(schema.returns)
+                                  if r.alias_info is not None and r.alias_info.before_set
+                                  and next(iter(r.alias_info.before_set)) in sets}
+    return w
 
 
 def _value(s: Any, tid: int) -> np.ndarray:

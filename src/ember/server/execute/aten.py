@@ -144,14 +144,18 @@ class AtenKernel:
             res = self.draw(args, kwargs)
         else:
             res = self.op(*args, **kwargs)
-        for t, nbytes in before:
+        dynamic = o is None  # data-dependent: the outputs (a written one cloned) are taken before zeroing
+        stored = self._results(res, o, tensors) if dynamic else None
+        for (t, nbytes), b, lay in zip(before, self._written_bufs(a, bufs), self._written_bufs(a, l)):
+            if not dynamic and not self.resize:
+                self._keep_layout(t, b, lay)
             self._zero_growth(t, nbytes)
         if before:
             for b in bufs:  # a storage that grew (resize_, out=): its value spans all of it again
                 st = b.untyped_storage()
                 if b.numel() != st.nbytes():
                     b.set_(st)
-        return self._results(res, o, tensors)
+        return stored if dynamic else self._results(res, o, tensors)
 
     def _bind(self, tmpl: list[Any], tensors: list[torch.Tensor], scalars: list[Any]) -> Any:
         args: list[Any] = []
@@ -243,14 +247,30 @@ class AtenKernel:
                              f"uses more")
         return _scalar(scalars[k])
 
-    def _zero_growth(self, t: torch.Tensor, nbytes: int) -> None:
-        """A written storage grew (resize_, out=): never let the client see uninitialised memory."""
+    def _written_bufs(self, tmpl: list[Any], items: Any) -> list[Any]:
+        """The entries of ``items`` (the message's storages, or their layouts) this call writes."""
+        return [items[k - 1] for k in self.written({"a": tmpl})]
+
+    def _keep_layout(self, t: torch.Tensor, buf: Any, layout: list[Any]) -> None:
+        """A written operand must end in the layout the client recorded (the client sizes ``out=`` before the
+        op): a kernel that restrided it has its values copied back into that layout; one that reshaped it
+        fails, so the operand is poisoned instead of read wrongly."""
+        size, stride, offset, _dt = layout
+        if list(t.shape) == size and list(t.stride()) == stride and t.storage_offset() == offset:
+            return
+        if list(t.shape) != size:
+            raise RuntimeError(f"{self.name} resized a written operand to {tuple(t.shape)} on the peer where the "
+                               f"client recorded {tuple(size)}")
+        value = t.clone()
+        operand(buf, layout, self.device).copy_(value)
+
+    @staticmethod
+    def _zero_growth(t: torch.Tensor, nbytes: int) -> None:
+        """A written storage grew (resize_, out=): never let the client see uninitialised memory (the client's
+        layout of a written operand lies in the bytes it had; a data-dependent result was taken already)."""
         st = t.untyped_storage()
         new = st.nbytes()
-        if new <= nbytes:
-            return
-        start = nbytes if self.resize else max(nbytes, (t.storage_offset() + t.numel()) * t.element_size()
-                                               if t.is_contiguous() else nbytes)
+        start = nbytes
         if start < new:
             torch.empty((0,), dtype=torch.uint8, device=t.device).set_(st, start, (new - start,), (1,)).zero_()
 

@@ -1,0 +1,78 @@
+"""PyTorch's own OpInfo samples on ``ember`` equal local CPU torch (a fixed subset; the whole database is
+``bench/bench_opinfo.py``), and the cases that once gave wrong values without an error now give the
+right value (or a clean error)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("expecttest")  # torch.testing._internal needs it
+
+import ember  # noqa: E402
+import ember.torch  # noqa: E402
+from ember.bench import opinfo as O  # noqa: E402
+from ember.errors import RemoteExecutionError  # noqa: E402
+from ember.protocol.messages import OP  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+# elementwise with transposed inputs and out=, reductions, views, linalg/fft out=, data-dependent shapes,
+# scatter/gather, losses, embedding_bag, as_strided family, masked index, repeat_interleave, sgn backward
+SUBSET = ("abs", "add", "mul", "exp", "where", "cat", "sum", "amax", "cumsum", "transpose", "permute", "narrow",
+          "index_select", "gather", "scatter_add", "masked_fill", "nonzero", "masked_select", "repeat_interleave",
+          "sgn", "linalg.inv", "linalg.solve", "linalg.cholesky", "linalg.qr", "linalg.eigh", "linalg.lstsq",
+          "triangular_solve", "geqrf", "fft.ifft", "fft.rfft", "as_strided_copy", "as_strided_scatter",
+          "nn.functional.embedding_bag", "nn.functional.multi_margin_loss", "matmul", "addmm",
+          "nn.functional.conv2d", "softmax", "clamp", "sort")
+_DB = {op.name: op for op in O.op_db()}
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_opinfo_samples_match_cpu(name: str) -> None:
+    ops = [op for op in O.op_db() if op.name == name and not op.variant_test_name]
+    assert ops, f"{name} is not in torch's op_db"
+    for p in ("forward", "variants", "grad"):
+        if not O.applies(ops[0], p):
+            continue
+        row = O.run_op(ops[0], p, limit_s=60)
+        assert row["status"] == "pass", row
+
+
+def test_opinfo_over_websocket_peer(torch_peer: str) -> None:
+    dev = ember.connect(torch_peer)
+    try:
+        with dev:
+            for name in ("abs", "linalg.inv", "nonzero", "linalg.lstsq"):
+                for p in ("forward", "variants"):
+                    row = O.run_op(_DB[name], p, limit_s=60)
+                    assert row["status"] == "pass", row
+    finally:
+        dev.close()
+
+
+def test_out_tensors_to_resize_keep_values_in_order() -> None:
+    x = torch.randn(3, 5)
+    a = torch.randn(4, 4)
+    for f in (lambda d: torch.abs(x.to(d).t(), out=torch.empty(0, device=d)),
+              lambda d: torch.linalg.inv(a.to(d), out=torch.empty(0, device=d)),
+              lambda d: torch.nonzero(x.to(d) > 0, out=torch.empty(0, dtype=torch.long, device=d)),
+              lambda d: torch.linalg.lstsq(a.to(d), x[:, :4].T.to(d)).solution,
+              lambda d: torch.arange(4.)[::4].to(d) + 1,
+              lambda d: torch.zeros_like(x.to(d), device="cpu")):
+        want, got = f("cpu"), f("ember")
+        assert got.shape == want.shape and torch.allclose(got.cpu(), want, atol=1e-5)
+
+
+def test_peer_refuses_a_written_operand_its_kernel_reshapes() -> None:
+    """A raw message whose out= layout the kernel must reshape poisons the operand with the reason."""
+    from ember.torch._storage import ref_of
+    x = torch.randn(3, 5, device="ember").t()
+    out = torch.zeros(2, device="ember")
+    rx, ro = ref_of(x), ref_of(out)
+    s = rx.session
+    s.record([OP, "aten.abs.out", [[], rx.sid, ro.sid], 1, [],
+              {"a": [0, 0], "l": [[[5, 3], [1, 5], 0, "float32"], [[0], [1], 0, "float32"]], "o": []}])
+    with pytest.raises(RemoteExecutionError, match="resized a written operand"):
+        out.cpu()
+    assert (x + 1).cpu().shape == (5, 3)  # the session carries on
