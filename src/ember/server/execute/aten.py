@@ -139,6 +139,8 @@ class AtenKernel:
         self.seeded = torch.Tag.nondeterministic_seeded in op.tags and not any(c == A.GENERATOR
                                                                                 for _, c, _, _ in self.args)
         self.resize = name.split(".")[1] in _RESIZE
+        #: elementwise, no random stream, no resize: on small operands, cheap enough for the network loop
+        self.pointwise = torch.Tag.pointwise in op.tags and not self.seeded and not self.resize
 
     def written(self, kwargs: Any) -> list[int]:
         """Positions (among the message's args: the scalar list, then the operands) of the operands this
