@@ -1,6 +1,11 @@
 """ember.torch benchmarks, every figure next to local CPU torch measured in the same run.
 
     python bench/bench_torch.py [--steps 100] [--repeat 3] [--transports memory,websocket,tcp,iroh]
+                                [--only mlp,transformer,gpt,gpt6,lstm,cpu,big,roundtrip]
+
+* one round trip, p50 and p99 (µs): ``(a + 1).to_numpy()`` of a 1-element array and ``(a + 1).item()``
+  of a 1-element torch tensor, on the embedded ``local:torch`` peer and over each transport, next to a
+  raw asyncio TCP echo between two processes (pinned as the peer is) and an asyncio thread hop;
 
 * steps/s of an MLP classifier (AdamW) and a small causal transformer LM (AdamW), over the
   in-memory link (the embedded peer) and over WebSocket, TCP and iroh to an ``ember serve
@@ -60,6 +65,27 @@ def start_peer() -> tuple[subprocess.Popen, dict[str, str]]:
 MLP = dict(model=lambda: W.MLP(64, 256, 10), opt="AdamW", opt_args={"lr": 1e-3},
            batch=lambda g: W.classification_batch(g, 128, (64,), 10))
 LM = dict(model=W.TinyLM, opt="AdamW", opt_args={"lr": 3e-3}, batch=W.lm_batch(), lm=True)
+#: nanoGPT-style (the issue's table): 2 layers, n_embd 64, block 64, batch 8; and 6 layers, n_embd 256.
+GPT = dict(model=lambda: W.TinyLM(vocab=65, d=64, heads=4, layers=2, ctx=64), opt="AdamW", opt_args={"lr": 1e-3},
+           batch=W.lm_batch(65, 8, 64), lm=True)
+GPT6 = dict(model=lambda: W.TinyLM(vocab=65, d=256, heads=8, layers=6, ctx=64), opt="AdamW",
+            opt_args={"lr": 1e-3}, batch=W.lm_batch(65, 8, 64), lm=True)
+
+
+class LSTMLM(torch.nn.Module):
+    """word_language_model's shape, small: embedding, a 2-layer LSTM, a linear decoder."""
+
+    def __init__(self, vocab: int = 200, d: int = 64) -> None:
+        super().__init__()
+        self.emb, self.rnn = torch.nn.Embedding(vocab, d), torch.nn.LSTM(d, d, 2, batch_first=True)
+        self.dec = torch.nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.rnn(self.emb(idx))[0])
+
+
+LSTM = dict(model=LSTMLM, opt="SGD", opt_args={"lr": 0.1}, batch=W.lm_batch(200, 8, 35), lm=True)
+WORKLOADS = {"mlp": MLP, "transformer": LM, "gpt": GPT, "gpt6": GPT6, "lstm": LSTM}
 BIG = dict(model=lambda: W.MLP(1024, 2048, 10), opt="SGD", opt_args={"lr": 1e-3},
            batch=lambda g: W.classification_batch(g, 512, (1024,), 10))
 
@@ -149,6 +175,59 @@ def dispatch_cost(n: int = 20000, device: str = "ember") -> float:
     return (time.process_time() - c0) / n * 1e6
 
 
+ECHO = """import asyncio
+from ember.bench.server_process import _tcp_baseline
+async def main():
+    s = await asyncio.start_server(_tcp_baseline, "127.0.0.1", 0)
+    print(s.sockets[0].getsockname()[1], flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+def start_echo() -> tuple[subprocess.Popen, int]:
+    """A raw asyncio TCP echo process, pinned as the peer is: the wire's own round trip."""
+    cmd = [sys.executable, "-c", ECHO]
+    if (os.cpu_count() or 1) >= 2:
+        cmd = ["taskset", "-c", "1", *cmd]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    return p, int(p.stdout.readline())
+
+
+def torch_round_trip(dev: ember.Device, n: int) -> list[float]:
+    """Seconds per ``(a + 1).item()`` of a 1-element tensor on ``dev`` (a torch peer)."""
+    with dev:
+        a = torch.ones(1, device="ember")
+        for _ in range(max(20, n // 20)):
+            (a + 1).item()
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            (a + 1).item()
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def round_trips(devs: dict[str, ember.Device], n: int) -> dict[str, Any]:
+    """p50 / p99 in µs of one round trip per device, a raw TCP echo and a thread hop, in this run."""
+    from ember.bench.figures import ember_latency, tcp_latency, thread_hop_latency
+
+    def pct(v: list[float]) -> dict[str, float]:
+        v = sorted(v)
+        return {"p50_us": round(v[len(v) // 2] * 1e6, 1), "p99_us": round(v[int(0.99 * (len(v) - 1))] * 1e6, 1)}
+    echo, port = start_echo()
+    try:
+        out = {"raw_tcp": pct(tcp_latency(port, n)), "thread_hop": pct(thread_hop_latency(n))}
+        for t, d in devs.items():
+            out[f"{t} to_numpy"] = pct(ember_latency(d, n))
+            out[f"{t} item"] = pct(torch_round_trip(d, n))
+    finally:
+        echo.terminate()
+        echo.wait(10)
+    return out
+
+
 def alternate(fns: dict[str, Callable[[], float]], repeat: int) -> dict[str, float]:
     runs: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeat):
@@ -162,8 +241,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--transports", default="memory,websocket,tcp,iroh")
+    ap.add_argument("--only", default="mlp,transformer,cpu,big,roundtrip",
+                    help="comma-separated figures: " + ",".join([*WORKLOADS, "cpu", "big", "roundtrip"]))
+    ap.add_argument("--samples", type=int, default=2000, help="round trips per latency figure")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = ap.parse_args(argv)
+    only = set(a.only.split(","))
     torch.set_num_threads(1)
     if (os.cpu_count() or 1) >= 2:
         os.sched_setaffinity(0, {0})
@@ -174,7 +257,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for t in a.transports.split(","):
             if t != "memory":
                 devs[t] = ember.connect(addrs[t])
-        for name, kw in (("mlp", MLP), ("transformer", LM)):
+        if "roundtrip" in only:
+            report["figures"]["round_trip"] = round_trips(devs, a.samples)
+        for name, kw in WORKLOADS.items():
+            if name not in only:
+                continue
             fns: dict[str, Callable[[], float]] = {"local": lambda kw=kw: step_time(kw, "cpu", a.steps)}
             for t, d in devs.items():
                 fns[t] = lambda kw=kw, d=d: _on(d, lambda: step_time(kw, "ember", a.steps))
@@ -189,17 +276,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             fig["wire"] = _on(wd, lambda kw=kw, wd=wd: wire(kw, wd))
             report["figures"][name] = fig
         remote = devs.get("tcp") or devs.get("websocket") or devs["memory"]
-        report["figures"]["client_cpu_us_per_op"] = {
-            "mlp": round(_on(remote, lambda: client_cpu_per_op(MLP, a.steps)), 1),
-            "transformer": round(_on(remote, lambda: client_cpu_per_op(LM, a.steps // 2)), 1),
-            "a_plus_b": round(statistics.median(_on(remote, dispatch_cost) for _ in range(a.repeat)), 1),
-            "a_plus_b_local": round(statistics.median(dispatch_cost(device="cpu") for _ in range(a.repeat)), 2)}
-        big = alternate({"local": lambda: step_time(BIG, "cpu", 40),
-                         "remote": lambda: _on(remote, lambda: step_time(BIG, "ember", 40))}, a.repeat)
-        report["figures"]["big_model"] = {"local_ms": round(big["local"] * 1e3, 2),
-                                          "remote_ms": round(big["remote"] * 1e3, 2),
-                                          "remote_over_local": round(big["remote"] / big["local"], 3),
-                                          "transport": remote.address.split(":")[0]}
+        if "cpu" in only:
+            report["figures"]["client_cpu_us_per_op"] = {
+                "mlp": round(_on(remote, lambda: client_cpu_per_op(MLP, a.steps)), 1),
+                "transformer": round(_on(remote, lambda: client_cpu_per_op(LM, a.steps // 2)), 1),
+                "a_plus_b": round(statistics.median(_on(remote, dispatch_cost) for _ in range(a.repeat)), 1),
+                "a_plus_b_local": round(statistics.median(dispatch_cost(device="cpu") for _ in range(a.repeat)), 2)}
+        if "big" in only:
+            big = alternate({"local": lambda: step_time(BIG, "cpu", 40),
+                             "remote": lambda: _on(remote, lambda: step_time(BIG, "ember", 40))}, a.repeat)
+            report["figures"]["big_model"] = {"local_ms": round(big["local"] * 1e3, 2),
+                                              "remote_ms": round(big["remote"] * 1e3, 2),
+                                              "remote_over_local": round(big["remote"] / big["local"], 3),
+                                              "transport": remote.address.split(":")[0]}
     finally:
         proc.terminate()
         proc.wait(10)
@@ -219,7 +308,13 @@ def _on(dev: ember.Device, fn: Callable[[], Any]) -> Any:
 
 def format_report(r: dict[str, Any]) -> str:
     lines = [f"ember.torch benchmarks (torch {r['torch']}, {r['steps']} steps, median of {r['repeat']})"]
-    for name in ("mlp", "transformer"):
+    rt = r["figures"].get("round_trip")
+    if rt:
+        lines.append("  one round trip (µs, p50 / p99): " + ", ".join(
+            f"{k} {v['p50_us']} / {v['p99_us']}" for k, v in rt.items()))
+    for name in WORKLOADS:
+        if name not in r["figures"]:
+            continue
         fig = r["figures"][name]
         cols = [k for k in fig if k != "wire"]
         lines.append(f"  {name:12s} steps/s: " + ", ".join(
@@ -228,13 +323,15 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"  {'':12s} per step: {w['aten_ops']} ATen ops; messages {w['messages_first']} first, "
                      f"{w['messages_replayed']} replayed; bytes {w['bytes_first']} first, {w['bytes_replayed']} "
                      f"replayed ({w['ratio']}x)")
-    c = r["figures"]["client_cpu_us_per_op"]
-    lines.append(f"  client CPU per dispatched ATen op: MLP {c['mlp']} µs, transformer {c['transformer']} µs "
-                 f"(training loops: autograd and optimizer included); a cached a + b: {c.get('a_plus_b')} µs "
-                 f"(local CPU torch {c.get('a_plus_b_local')} µs)")
-    b = r["figures"]["big_model"]
-    lines.append(f"  >=5 ms model ({b['transport']}): local {b['local_ms']} ms/step, remote {b['remote_ms']} "
-                 f"ms/step ({b['remote_over_local']}x local)")
+    c = r["figures"].get("client_cpu_us_per_op")
+    if c:
+        lines.append(f"  client CPU per dispatched ATen op: MLP {c['mlp']} µs, transformer {c['transformer']} µs "
+                     f"(training loops: autograd and optimizer included); a cached a + b: {c.get('a_plus_b')} µs "
+                     f"(local CPU torch {c.get('a_plus_b_local')} µs)")
+    b = r["figures"].get("big_model")
+    if b:
+        lines.append(f"  >=5 ms model ({b['transport']}): local {b['local_ms']} ms/step, remote {b['remote_ms']} "
+                     f"ms/step ({b['remote_over_local']}x local)")
     return "\n".join(lines)
 
 

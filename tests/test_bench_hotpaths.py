@@ -57,6 +57,30 @@ def test_only_provably_cheap_batches_may_run_on_the_loop(batch: list[Any], cheap
     assert interp().cheap(batch) is cheap
 
 
+def _aten(name: str, n: int, out_bytes: int | None = None) -> list[Any]:
+    """An ATen OP message on two float32 operands of ``n`` elements (storages 1 and 2), out to 9."""
+    lay = [[n], [1], 0, "float32"]
+    return [m.OP, name, [[1], 1, 2], 3, [9], {"a": [0, 0, 1], "l": [lay, lay],
+                                              "o": [[0, [n], [1], 0, "float32", out_bytes or 4 * n]]}]
+
+
+@pytest.mark.parametrize("batch, cheap", [
+    ([_aten("aten.add.Tensor", 16), [m.READ, 1, 9]], True),   # pointwise, small: the loop runs it
+    ([_aten("aten.add.Tensor", 100_000)], False),             # too many elements
+    ([_aten("aten.add.Tensor", 16, 1 << 30)], False),         # an output storage too big
+    ([_aten("aten.mm.default", 16)], False),                  # not pointwise
+    ([_aten("aten.bernoulli.p", 16)], False),                 # random: not pointwise here
+    ([_aten("aten.no_such.op", 16)], False),                  # refused: the worker says why
+])
+def test_small_pointwise_aten_ops_on_a_torch_cpu_peer_may_run_on_the_loop(batch: list[Any], cheap: bool) -> None:
+    torch = pytest.importorskip("torch")
+    b = make_backend("torch:cpu")
+    it = Interpreter(b, build_table(b), {}, lambda out: None,
+                     {"max_frame": 1 << 26, "chunk": 1 << 24, "max_tensor": 1 << 40, "graph_cache": 4})
+    it.tensors.update({1: torch.zeros(64, dtype=torch.uint8), 2: torch.zeros(64, dtype=torch.uint8)})
+    assert it.cheap(batch) is cheap
+
+
 def test_inline_and_worker_give_the_same_values_and_errors(peer: Server) -> None:
     dev = ember.connect(peer.addresses[0])
     try:

@@ -117,6 +117,8 @@ class AtenKernel:
                                                                                 for _, c, _, _ in self.args)
         self.resize = name.split(".")[1] in _RESIZE
         self.draw = rng.runner(op) if self.seeded else None
+        #: elementwise, no random stream, no resize: on small operands, cheap enough for the network loop
+        self.pointwise = torch.Tag.pointwise in op.tags and not self.seeded and not self.resize
 
     def written(self, kwargs: Any) -> list[int]:
         """Positions (among the message's args: the scalar list, then the operands) of the operands this

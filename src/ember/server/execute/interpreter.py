@@ -8,6 +8,8 @@ session itself carries on.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Callable
 
 import numpy as np
@@ -111,6 +113,8 @@ class Interpreter(GraphReplay, Holdings):
         self.mem = memory if memory is not None else _unbounded()
         self._aten = backend.kind == "torch"  # ATen kernels may write (and grow) their operands
         self._numpy = backend.kind == "numpy"
+        # torch on the CPU: kernels run synchronously, so small elementwise batches may run inline too
+        self._inline = self._numpy or (self._aten and getattr(backend.device, "type", None) == "cpu")
         self._fp = footprint_for(backend.kind)
         self.max_tensors = int(limits.get("max_tensors", MAX_TENSORS))
         self.max_uploads = int(limits.get("max_uploads", MAX_PARTIAL_UPLOADS))
@@ -144,13 +148,14 @@ class Interpreter(GraphReplay, Holdings):
     def cheap(self, batch: list[list[Any]]) -> bool:
         """Is this batch certainly cheap to run (bounded microseconds, nothing that can wait)?
 
-        NumPy devices only (a GPU read waits for the device); at most
+        NumPy and torch CPU devices only (a GPU read waits for the device); at most
         ``INLINE_MAX_MESSAGES`` messages, each an elementwise op without keyword
         arguments on arrays of at most ``INLINE_MAX_ELEMENTS`` elements that do not
         broadcast each other up (one shape, or size 1), a read of at most
-        ``INLINE_MAX_BYTES``, a small upload, a sync or a drop.
+        ``INLINE_MAX_BYTES``, a small upload, a sync or a drop; on torch, also a pointwise ATen op whose
+        operand and output layouts hold at most ``INLINE_MAX_ELEMENTS`` elements (``_cheap_aten``).
         """
-        if self.backend.kind != "numpy" or len(batch) > INLINE_MAX_MESSAGES or self._stalled is not None:
+        if not self._inline or len(batch) > INLINE_MAX_MESSAGES or self._stalled is not None:
             return False
         try:
             return self._cheap(batch)
@@ -158,10 +163,14 @@ class Interpreter(GraphReplay, Holdings):
             return False
 
     def _cheap(self, batch: list[list[Any]]) -> bool:
-        t = self.tensors
+        t, aten = self.tensors, self._aten
         for msg in batch:
             kind = msg[0]
             if kind == m.OP:
+                if aten and len(msg) == 6 and type(msg[5]) is dict:
+                    if not self._cheap_aten(msg[1], msg[5]):
+                        return False
+                    continue
                 if len(msg) != 6 or msg[5] or msg[1] not in INLINE_OPS:
                     return False
                 smask, shape = msg[3], None
@@ -170,7 +179,7 @@ class Interpreter(GraphReplay, Holdings):
                     if not (smask >> i & 1):
                         v = t.get(a) if type(a) is int else None
                         if v is not None:
-                            n = v.size
+                            n = v.numel() if aten else v.size
                             if n > INLINE_MAX_ELEMENTS:
                                 return False
                             if n > 1:
@@ -187,6 +196,22 @@ class Interpreter(GraphReplay, Holdings):
                 if len(msg) != 7 or type(msg[6]) is not int or msg[6] > INLINE_MAX_BYTES or msg[5] is None:
                     return False
             elif kind != m.SYNC and kind != m.DROP:
+                return False
+        return True
+
+    def _cheap_aten(self, name: Any, kw: dict[str, Any]) -> bool:
+        """A pointwise ATen kernel on small layouts: operands ``l`` (size, stride, offset, dtype), outputs
+        ``o`` (position, size, stride, offset, dtype, bytes)."""
+        if type(name) is not str or not name.startswith("aten.") or not getattr(self.table.get(name), "pointwise", False):
+            return False
+        outs = kw.get("o")
+        if type(outs) is not list:  # data-dependent outputs
+            return False
+        for lay in kw.get("l") or ():
+            if math.prod(lay[0]) > INLINE_MAX_ELEMENTS:
+                return False
+        for spec in outs:
+            if math.prod(spec[1]) > INLINE_MAX_ELEMENTS or not 0 <= spec[5] <= INLINE_MAX_BYTES:
                 return False
         return True
 
