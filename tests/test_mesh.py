@@ -32,11 +32,14 @@ ENV = {**os.environ, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET
 REFERENCE = str(Path(__file__).parent / "ddp_reference.py")
 
 
-def start_peer() -> tuple[subprocess.Popen, str]:
-    """`ember serve --collectives` on loopback TCP; its address once it says it listens."""
-    p = subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", "--device", "torch:cpu", "--collectives",
-                          "--no-iroh", "--tcp", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                         text=True, env=ENV)
+def spawn_peer() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", "--device", "torch:cpu", "--collectives",
+                             "--no-iroh", "--tcp", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=ENV)
+
+
+def address_of(p: subprocess.Popen) -> str:
+    """The peer's address, once it says it listens (the readiness signal)."""
     assert p.stdout is not None
     deadline = time.monotonic() + 45
     while time.monotonic() < deadline:
@@ -45,18 +48,25 @@ def start_peer() -> tuple[subprocess.Popen, str]:
             break
         found = re.search(r"listening on (tcp://\S+)", line)
         if found:
-            return p, found.group(1)
+            return found.group(1)
     p.kill()
     raise AssertionError("ember serve --collectives printed no address")
 
 
+def start_peer() -> tuple[subprocess.Popen, str]:
+    p = spawn_peer()
+    return p, address_of(p)
+
+
 @pytest.fixture(scope="module")
 def peers():
-    started = [start_peer() for _ in range(2)]
-    yield [a for _, a in started]
-    for p, _ in started:
-        p.kill()
-        p.wait(10)
+    started = [spawn_peer() for _ in range(2)]  # both start at once
+    try:
+        yield [address_of(p) for p in started]
+    finally:
+        for p in started:
+            p.kill()
+            p.wait(10)
 
 
 def free_port() -> int:
@@ -152,6 +162,24 @@ def test_collectives_run_among_the_peers(peers):
             assert x.cpu().tolist() == [[10.0, 20.0]]
             assert mesh.mean(torch.ones(2, device="ember") * 3).cpu().tolist() == [3.0, 3.0]
             mesh.barrier()
+    finally:
+        mesh.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_poisoned_input_on_one_rank_still_joins_and_poisons_every_rank(peers):
+    mesh = ember.torch.mesh(peers, timeout=20)
+    try:
+        with mesh:
+            w = torch.ones(2, 3, device="ember")
+            idx = mesh.shard(torch.tensor([0, 5]))  # rank 1's index is out of range: only rank 1 fails
+            bad = torch.index_select(w, 0, idx)
+            mesh.all_reduce(bad)
+            with pytest.raises(RemoteExecutionError, match="poisoned on a peer"):
+                bad.cpu()
+            good = torch.ones(2, device="ember")  # the group goes on
+            mesh.all_reduce(good)
+            assert good.cpu().tolist() == [2.0, 2.0]
     finally:
         mesh.close()
 

@@ -26,12 +26,14 @@ from typing import Any, Callable
 
 import torch
 
-from .aten import SESSION_OPS, operand
+from ...protocol import aten as A
+from .aten import ITEMSIZE, SESSION_OPS, operand
 
 _REDUCE = {"sum": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT", "avg": "AVG"}
 MAX_GROUPS = 16        # per session
 MAX_PENDING = 1024     # async works per session
 MAX_TIMEOUT = 3600.0
+MAX_STAND_IN = 1 << 32  # bytes of zeros a poisoned operand may be replaced with
 
 
 class CollectiveError(ValueError):
@@ -46,6 +48,7 @@ class Collectives:
         self.groups: dict[str, Any] = {}
         self.stores: list[Any] = []
         self.pending: dict[tuple[str, int], Any] = {}
+        self.poisoned = False  # the collective being called got a poisoned operand (zeros stand in)
 
     # ---- forming a group ------------------------------------------------------------
     def store(self) -> torch.Tensor:
@@ -125,13 +128,21 @@ class Collectives:
             raise CollectiveError("collective operands must be contiguous")
         return views
 
-    def _finish(self, g: str, work: Any, h: Any, bufs: tuple[Any, ...]) -> tuple[()]:
-        if h is None:
-            work.wait()
-            return ()
-        if type(h) is not int or len(self.pending) >= MAX_PENDING or (g, h) in self.pending:
+    def _finish(self, g: str, launch: Callable[[], Any], h: Any, bufs: tuple[Any, ...]) -> tuple[()]:
+        """Run a collective after a one-int MAX all-reduce of "an operand is poisoned here", so a rank
+        with a poisoned input still joins (with zeros) and every rank's result is poisoned."""
+        import torch.distributed as dist
+        pg = self._group(g)
+        if h is not None and (type(h) is not int or len(self.pending) >= MAX_PENDING or (g, h) in self.pending):
             raise CollectiveError(f"async handle {h!r}: an int not pending already (at most {MAX_PENDING})")
-        self.pending[(g, h)] = (work, bufs)
+        flag = torch.tensor([int(self.poisoned)], dtype=torch.int32, device=self.device)
+        o = dist.AllreduceOptions()
+        o.reduceOp = dist.ReduceOp.MAX
+        entry = (pg.allreduce([flag], o), flag, launch())
+        self.poisoned = False
+        if h is None:
+            return _settle(entry)
+        self.pending[(g, h)] = entry
         return ()
 
     def all_reduce(self, *bufs: Any, g: Any, l: Any, op: Any = "sum", h: Any = None) -> tuple[()]:  # noqa: E741
@@ -141,7 +152,7 @@ class Collectives:
             raise CollectiveError(f"reduce op {str(op)[:20]!r}: one of {sorted(_REDUCE)}")
         o = dist.AllreduceOptions()
         o.reduceOp = getattr(dist.ReduceOp, _REDUCE[op])
-        return self._finish(g, pg.allreduce(views, o), h, bufs)
+        return self._finish(g, lambda: pg.allreduce(views, o), h, bufs)
 
     def broadcast(self, *bufs: Any, g: Any, l: Any, src: Any = 0, h: Any = None) -> tuple[()]:  # noqa: E741
         import torch.distributed as dist
@@ -150,14 +161,14 @@ class Collectives:
             raise CollectiveError(f"broadcast source {src!r} is not a rank of the group")
         o = dist.BroadcastOptions()
         o.rootRank = src
-        return self._finish(g, pg.broadcast(views, o), h, bufs)
+        return self._finish(g, lambda: pg.broadcast(views, o), h, bufs)
 
     def all_gather(self, out: Any, inp: Any, *, g: Any, l: Any, h: Any = None) -> tuple[()]:  # noqa: E741
         pg = self._group(g)
         o, i = self._views((out, inp), l)
         if o.numel() != i.numel() * pg.size() or o.dtype != i.dtype:
             raise CollectiveError("all_gather: the output holds size x the input's elements, of its dtype")
-        return self._finish(g, pg._allgather_base(o, i), h, (out,))
+        return self._finish(g, lambda: pg._allgather_base(o, i), h, (out,))
 
     def reduce_scatter(self, out: Any, inp: Any, *, g: Any, l: Any, op: Any = "sum",  # noqa: E741
                        h: Any = None) -> tuple[()]:
@@ -168,14 +179,13 @@ class Collectives:
             raise CollectiveError("reduce_scatter: the input holds size x the output's elements, of its dtype")
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = getattr(dist.ReduceOp, _REDUCE[op])
-        return self._finish(g, pg._reduce_scatter_base(o, i, opts), h, (out,))
+        return self._finish(g, lambda: pg._reduce_scatter_base(o, i, opts), h, (out,))
 
     def wait(self, *bufs: Any, g: Any, h: Any, l: Any = None) -> tuple[()]:  # noqa: E741
         entry = self.pending.pop((g, h), None) if isinstance(g, str) and type(h) is int else None
         if entry is None:
             raise CollectiveError(f"no pending collective {h!r} in this group")
-        entry[0].wait()
-        return ()
+        return _settle(entry)
 
     def barrier(self, *, g: Any) -> tuple[()]:
         self._group(g).barrier().wait()
@@ -185,20 +195,46 @@ class Collectives:
         ops: dict[str, Callable[..., Any]] = {
             "torch.dist.store": self.store, "torch.dist.join": self.join, "torch.dist.leave": self.leave,
             "torch.dist.barrier": self.barrier}
-        for name, fn in (("all_reduce", self.all_reduce), ("broadcast", self.broadcast), ("wait", self.wait),
+        for name, fn in (("all_reduce", self.all_reduce), ("broadcast", self.broadcast),
                          ("all_gather", self.all_gather), ("reduce_scatter", self.reduce_scatter)):
-            ops["torch.dist." + name] = _Writes(fn)
+            ops["torch.dist." + name] = _Writes(fn, self)
+        ops["torch.dist.wait"] = _Writes(self.wait, None)
         return ops
 
 
+def _settle(entry: tuple[Any, Any, Any]) -> tuple[()]:
+    flag_work, flag, work = entry
+    work.wait()
+    flag_work.wait()
+    if int(flag.item()):
+        raise CollectiveError("an operand of this collective was poisoned on a peer of the mesh (it joined with "
+                              "zeros): the result is poisoned on every peer")
+    return ()
+
+
 class _Writes:
-    """A collective that writes every operand (a failure poisons them all: ``written``)."""
+    """A collective that writes every operand (a failure poisons them all: ``written``). Called with a
+    poisoned operand (None), it joins with zeros of the operand's layout (``joins_poisoned``)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[..., Any], owner: Collectives | None) -> None:
+        self.fn, self.owner = fn, owner
+        self.joins_poisoned = owner is not None
 
-    def __call__(self, *a: Any, **k: Any) -> Any:
-        return self.fn(*a, **k)
+    def __call__(self, *bufs: Any, **k: Any) -> Any:
+        if self.owner is not None and any(b is None for b in bufs):
+            layouts = k.get("l")
+            if not isinstance(layouts, list) or len(layouts) != len(bufs):
+                raise CollectiveError("a collective needs one layout per operand")
+            if any(A.layout_extent(lay, ITEMSIZE) > MAX_STAND_IN for lay in layouts):
+                raise CollectiveError(f"a poisoned operand over {MAX_STAND_IN} bytes cannot join with zeros")
+            bufs = tuple(torch.zeros(A.layout_extent(lay, ITEMSIZE), dtype=torch.uint8, device=self.owner.device)
+                         if b is None else b for b, lay in zip(bufs, layouts))
+            self.owner.poisoned = True
+        try:
+            return self.fn(*bufs, **k)
+        finally:
+            if self.owner is not None:
+                self.owner.poisoned = False
 
     @staticmethod
     def written(kwargs: Any) -> list[int]:
