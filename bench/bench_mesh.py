@@ -39,7 +39,8 @@ def peer() -> tuple[subprocess.Popen, str]:
     raise SystemExit("ember serve printed no address")
 
 
-def train(dev: ember.Device, mesh: bool) -> float:
+def train(dev: ember.Device, mesh: bool) -> tuple[float, float]:
+    """(steps/s, client CPU seconds per step)."""
     data = batches(STEPS, BATCH)
     with dev:
         model = make_mlp().to("ember")
@@ -50,13 +51,13 @@ def train(dev: ember.Device, mesh: bool) -> float:
         for i, (x, y) in enumerate(data):
             if i == 1:
                 dev.sync()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
             xs, ys = (dev.shard(x), dev.shard(y)) if mesh else (x.to("ember"), y.to("ember"))
             opt.zero_grad()
             loss_of(model, xs, ys).backward()
             opt.step()
         dev.sync()
-        return (STEPS - 1) / (time.perf_counter() - t0)
+        return (STEPS - 1) / (time.perf_counter() - t0), (time.process_time() - c0) / (STEPS - 1)
 
 
 def ddp() -> float:
@@ -77,15 +78,16 @@ def main() -> None:
     try:
         addrs = [a for _, a in procs]
         one = ember.connect(addrs[0])
-        single = train(one, False)
+        single, cpu1 = train(one, False)
         one.close()
         m = ember.torch.mesh(addrs, timeout=60)
-        meshed = train(m, True)
+        meshed, cpu2 = train(m, True)
         m.close()
         ref = ddp()
         print(f"MLP {make_mlp()}\nglobal batch {BATCH}, hidden {HIDDEN}, {STEPS} steps (first not timed)")
         print(f"one peer, whole batch:        {single:8.2f} steps/s")
         print(f"2-peer mesh, DataParallel:    {meshed:8.2f} steps/s  ({meshed / single:.2f}x one peer)")
+        print(f"client CPU per step: one peer {cpu1 * 1e3:.2f} ms, mesh {cpu2 * 1e3:.2f} ms ({cpu2 / cpu1:.2f}x)")
         print(f"torch DDP gloo, 2 processes:  {ref:8.2f} steps/s  (mesh / DDP = {meshed / ref:.2f})")
     finally:
         for p, _ in procs:
