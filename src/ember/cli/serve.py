@@ -52,6 +52,12 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
     lim.add_argument("--idle-timeout", type=float, default=d.idle_timeout, metavar="SECONDS",
                      help="end sessions whose client sent nothing for this long while their work was done "
                           f"(a vanished host or link; clients ping well within it; default {d.idle_timeout:g}; 0: never)")
+    s.add_argument("--collectives", action="store_true",
+                   help="offer torch.distributed collectives to meshes of peers (gloo/NCCL authenticate nobody)")
+    s.add_argument("--dist-host", default="127.0.0.1", metavar="IP",
+                   help="the address collectives bind and announce (a private interface; default 127.0.0.1)")
+    s.add_argument("--dist-allow", action="append", default=[], metavar="IP",
+                   help="hosts whose mesh stores this peer may reach (default: loopback iff --dist-host is)")
     s.add_argument("--require-relay", action="store_true",
                    help="exit if no iroh relay answers (default: serve on direct addresses and keep retrying)")
     s.add_argument("--no-discovery", action="store_true",
@@ -102,7 +108,9 @@ def build_server(args: argparse.Namespace) -> Server:
                     max_tensors=getattr(args, "max_tensors", ClientLimits.max_tensors),
                     max_messages=getattr(args, "max_messages", ClientLimits.max_messages),
                     handshake_timeout=getattr(args, "handshake_timeout", ClientLimits.handshake_timeout),
-                    idle_timeout=getattr(args, "idle_timeout", ClientLimits.idle_timeout))
+                    idle_timeout=getattr(args, "idle_timeout", ClientLimits.idle_timeout),
+                    collectives=getattr(args, "collectives", False), dist_host=getattr(args, "dist_host", "127.0.0.1"),
+                    dist_allow=getattr(args, "dist_allow", None) or ())
     server.allowlist = allowed  # type: ignore[attr-defined]
     tls = tls_context(args.tls_cert, args.tls_key) if getattr(args, "tls_cert", None) else None
     for host, port in args.websocket:

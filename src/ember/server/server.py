@@ -68,15 +68,20 @@ class Server:
                  max_tensors: int = ClientLimits.max_tensors,
                  max_messages: int = ClientLimits.max_messages,
                  handshake_timeout: float = ClientLimits.handshake_timeout,
+                 collectives: bool = False, dist_host: str = "127.0.0.1", dist_allow: Iterable[str] = (),
                  **limits: Any) -> None:
         """``memory_limit``: bytes (or ``"16GiB"``) each device budget holds, default a safe fraction of
         RAM / device memory (host devices share one budget); ``session_memory``: per session, default
-        the device's budget. The per-client limits are described in :mod:`ember.server.guard.limits`
+        the device's budget. ``collectives``: offer torch.distributed collectives among the peers of a
+        mesh, bound to ``dist_host`` (an IP), reaching stores on ``dist_allow`` hosts. The per-client limits are described in :mod:`ember.server.guard.limits`
         (``limits`` takes the rest of :class:`~ember.server.limits.ClientLimits` by name)."""
         self.backends: list[Backend] = [d if isinstance(d, Backend) else make_backend(d) for d in devices]
         if not self.backends:
             raise EmberError("a server needs at least one device", hint="e.g. Server(['cpu'])")
         self.tables = [build_table(b) for b in self.backends]
+        if collectives:  # torch.distributed among mesh peers, bound to dist_host (server/execute/collectives.py)
+            from .execute.collectives import enable
+            enable(self.tables, self.backends, dist_host, list(dist_allow))
         self.authorizer = authorizer
         self.custom_ops: dict[str, CustomOp] = dict(custom_ops or {})
         try:

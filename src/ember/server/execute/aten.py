@@ -374,6 +374,10 @@ class Refused:
         raise UnknownOp(self.why)
 
 
+#: A device table's key (a tuple: no op name equals it) for a maker of per-session ops (collectives.py).
+SESSION_OPS = ("session ops",)
+
+
 class AtenOps(dict):  # type: ignore[type-arg]
     """A session's op table on a torch device: the device's Array API table, Ember's own torch ops,
     and on first use one kernel per vetted ATen overload (a refused name gets a kernel that says why)."""
@@ -383,6 +387,9 @@ class AtenOps(dict):  # type: ignore[type-arg]
         self.device = device
         self.rng = SessionRandom(device)
         self.update(internal_ops(device, self.rng, max_tensor))
+        make = base.get(SESSION_OPS)  # type: ignore[call-overload]
+        if make is not None:
+            self.update(make(device))
 
     def __missing__(self, name: Any) -> Callable[..., Any]:
         if not isinstance(name, str) or not name.startswith("aten."):

@@ -283,8 +283,13 @@ class Interpreter(GraphReplay, Holdings):
             return self._malformed(msg, out, ProtocolError(f"Op message has {len(msg)} fields, expected 6"))
         t = self.tensors
         try:
-            vals = [a if smask >> i & 1 else t[a] for i, a in enumerate(args)] if smask else [t[a] for a in args]
             fn = self.table[name]
+            try:
+                vals = [a if smask >> i & 1 else t[a] for i, a in enumerate(args)] if smask else [t[a] for a in args]
+            except KeyError:  # a collective still joins its peers with a poisoned input (collectives.py)
+                if not getattr(fn, "joins_poisoned", False):
+                    raise
+                vals = [a if smask >> i & 1 else t.get(a) for i, a in enumerate(args)]
             if kwargs:
                 if "dtype" in kwargs and kwargs["dtype"] is not None:
                     kwargs["dtype"] = self.backend.dtype(kwargs["dtype"])  # a dtype name, nothing else

@@ -1,0 +1,132 @@
+"""``DataParallel(model)``: DistributedDataParallel's semantics for a model on a :class:`~.mesh.Mesh`.
+
+The parameters are broadcast from rank 0 once. During backward, each parameter's gradient,
+once accumulated, marks its bucket ready (buckets of ``bucket_cap_mb``, the first one 1 MB,
+filled in reverse parameter order as DDP does); a ready bucket is flattened, divided by the
+world size and all-reduced (SUM) asynchronously on the peers while the rest of backward runs;
+at the end of backward every bucket is waited for and copied back into the gradients.
+:meth:`DataParallel.no_sync` skips all of it (gradients accumulate locally) until a backward
+outside it. Everything is recorded once and runs on every peer (the client moves no gradient).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from ._storage import ref_of
+from .mesh import Mesh, Work
+
+FIRST_BUCKET_BYTES = 1 << 20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
+
+
+class _Bucket:
+    __slots__ = ("params", "ready", "flat", "work")
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.ready = 0
+        self.flat: torch.Tensor | None = None
+        self.work: Work | None = None
+
+
+class DataParallel(torch.nn.Module):
+    """Wrap a module whose parameters live on a mesh: gradients are averaged over its peers."""
+
+    def __init__(self, module: torch.nn.Module, bucket_cap_mb: float = 25.0, broadcast: bool = True) -> None:
+        super().__init__()
+        self.module = module
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("DataParallel needs a module with trainable parameters")
+        dev = ref_of(params[0]).device
+        if not isinstance(dev, Mesh):
+            raise ValueError("DataParallel needs the module's parameters on a mesh (ember.torch.mesh): "
+                             "move the model inside `with mesh:`")
+        self.mesh: Mesh = dev
+        self.buckets = _assign(params, int(bucket_cap_mb * (1 << 20)))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._sync = True
+        self._queued = False
+        if broadcast:
+            with torch.no_grad():
+                for t in [*module.parameters(), *module.buffers()]:
+                    if t.is_contiguous():
+                        self.mesh.broadcast(t, src=0)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients on each peer without communicating."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    # ---- during backward ----------------------------------------------------------------
+    def _ready(self, p: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        b = self._bucket_of[id(p)]
+        b.ready += 1
+        if b.ready == len(b.params):
+            self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        with torch.no_grad():
+            grads = []
+            for p in b.params:
+                if p.grad is None:  # unused in this forward: contributes zeros, as DDP does
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad.reshape(-1))
+            flat = torch.cat(grads)
+            flat.div_(self.mesh.size)
+            b.flat, b.work = flat, self.mesh.all_reduce(flat, async_op=True)
+
+    def _finish(self) -> None:
+        self._queued = False
+        with torch.no_grad():
+            for b in self.buckets:
+                if b.work is None:
+                    self._launch(b)
+            for b in self.buckets:
+                assert b.work is not None and b.flat is not None
+                b.work.wait()
+                off = 0
+                for p in b.params:
+                    g = p.grad
+                    assert g is not None
+                    n = g.numel()
+                    g.copy_(b.flat[off:off + n].view_as(g))
+                    off += n
+                b.ready, b.flat, b.work = 0, None, None
+
+
+def _assign(params: list[torch.nn.Parameter], cap: int) -> list[_Bucket]:
+    """Buckets in reverse parameter order (the order gradients become ready), one dtype each."""
+    buckets: list[_Bucket] = []
+    cur: list[torch.nn.Parameter] = []
+    size, limit = 0, min(FIRST_BUCKET_BYTES, cap)
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if cur and (size + nbytes > limit or p.dtype != cur[0].dtype):
+            buckets.append(_Bucket(cur))
+            cur, size, limit = [], 0, cap
+        cur.append(p)
+        size += nbytes
+    if cur:
+        buckets.append(_Bucket(cur))
+    return buckets
+
+
+__all__ = ["DataParallel"]

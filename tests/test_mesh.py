@@ -1,0 +1,268 @@
+"""A mesh of two real `ember serve --device torch:cpu --collectives` peers on loopback: collectives among
+the peers (torch.distributed gloo), DataParallel bit-equal to torch's DistributedDataParallel over gloo
+in two local processes, no_sync, two meshes on the same peers, a killed peer, refusals."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ember  # noqa: E402
+import ember.torch  # noqa: E402
+from ember.errors import RemoteExecutionError  # noqa: E402
+from ember.protocol import messages as m  # noqa: E402
+from ember.server import Server  # noqa: E402
+from ember.torch import DataParallel, MeshError, MeshPeerLost  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ddp_reference import batches, loss_of, make_mlp  # noqa: E402
+
+ENV = {**os.environ, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
+       "OMP_NUM_THREADS": "1"}
+REFERENCE = str(Path(__file__).parent / "ddp_reference.py")
+
+
+def spawn_peer() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", "--device", "torch:cpu", "--collectives",
+                             "--no-iroh", "--tcp", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=ENV)
+
+
+def address_of(p: subprocess.Popen) -> str:
+    """The peer's address, once it says it listens (the readiness signal)."""
+    assert p.stdout is not None
+    deadline = time.monotonic() + 45
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        found = re.search(r"listening on (tcp://\S+)", line)
+        if found:
+            return found.group(1)
+    p.kill()
+    raise AssertionError("ember serve --collectives printed no address")
+
+
+def start_peer() -> tuple[subprocess.Popen, str]:
+    p = spawn_peer()
+    return p, address_of(p)
+
+
+@pytest.fixture(scope="module")
+def peers():
+    started = [spawn_peer() for _ in range(2)]  # both start at once
+    try:
+        yield [address_of(p) for p in started]
+    finally:
+        for p in started:
+            p.kill()
+            p.wait(10)
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.mark.timeout(120)
+def test_data_parallel_is_bit_equal_to_torch_ddp_over_gloo(peers, tmp_path):
+    steps, out = 3, tmp_path / "ref.pt"
+    port = free_port()
+    ref = [subprocess.Popen([sys.executable, REFERENCE, str(r), "2", str(port), str(out), str(steps)], env=ENV)
+           for r in range(2)]
+    mesh = ember.torch.mesh(peers, timeout=20)
+    try:
+        with mesh:
+            model = DataParallel(make_mlp().to("ember"))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in batches(steps):
+                opt.zero_grad()
+                loss = loss_of(model, mesh.shard(x), mesh.shard(y))
+                loss.backward()
+                opt.step()
+            got = [p.detach().cpu() for p in model.parameters()]
+            mean_loss = mesh.mean(loss).item()
+    finally:
+        mesh.close()
+    for p in ref:
+        assert p.wait(90) == 0
+    want = torch.load(out)["params"]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # ... and close to one process training on the whole batch
+    whole = make_mlp()
+    opt = torch.optim.SGD(whole.parameters(), lr=0.1)
+    for x, y in batches(steps):
+        opt.zero_grad()
+        with torch.no_grad():  # the last step's loss on each half, before the step
+            halves = [loss_of(whole, xs, ys).item() for xs, ys in zip(x.chunk(2), y.chunk(2))]
+        loss_of(whole, x, y).backward()
+        opt.step()
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, whole.parameters()))
+    assert mean_loss == pytest.approx(sum(halves) / 2, rel=1e-5)  # the mean over the peers, not rank 0's
+
+
+@pytest.mark.timeout(90)
+def test_no_sync_accumulates_locally_then_averages(peers):
+    (x1, y1), (x2, y2) = batches(2)
+    mesh = ember.torch.mesh(peers, timeout=20)
+    try:
+        with mesh:
+            model = DataParallel(make_mlp().to("ember"), bucket_cap_mb=0.001)  # several buckets
+            assert len(model.buckets) > 1
+            with model.no_sync():
+                loss_of(model, mesh.shard(x1), mesh.shard(y1)).backward()
+            loss_of(model, mesh.shard(x2), mesh.shard(y2)).backward()
+            got = [p.grad.cpu() for p in model.parameters()]
+    finally:
+        mesh.close()
+    per_rank = []
+    for r in range(2):
+        ref = make_mlp()
+        loss_of(ref, x1.chunk(2)[r], y1.chunk(2)[r]).backward()
+        loss_of(ref, x2.chunk(2)[r], y2.chunk(2)[r]).backward()
+        per_rank.append([p.grad for p in ref.parameters()])
+    want = [a / 2 + b / 2 for a, b in zip(*per_rank)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.timeout(60)
+def test_collectives_run_among_the_peers(peers):
+    mesh = ember.torch.mesh(peers, timeout=20)
+    try:
+        with mesh:
+            x = mesh.shard(torch.tensor([[1.0, 2.0], [10.0, 20.0]]))  # rank 0: [1, 2], rank 1: [10, 20]
+            s = x.clone()
+            mesh.all_reduce(s)
+            assert s.cpu().tolist() == [[11.0, 22.0]]
+            b = x.clone()
+            mesh.broadcast(b, src=1)
+            assert b.cpu().tolist() == [[10.0, 20.0]]
+            g = torch.empty(4, device="ember")
+            mesh.all_gather_into_tensor(g, x.reshape(-1).clone())
+            assert g.cpu().tolist() == [1.0, 2.0, 10.0, 20.0]
+            r = torch.empty(1, device="ember")
+            mesh.reduce_scatter_tensor(r, x.reshape(-1).clone())
+            assert r.cpu().tolist() == [11.0]  # rank 0's half of the sum
+            w = mesh.all_reduce(x, op="max", async_op=True)
+            assert w is not None
+            w.wait()
+            assert x.cpu().tolist() == [[10.0, 20.0]]
+            assert mesh.mean(torch.ones(2, device="ember") * 3).cpu().tolist() == [3.0, 3.0]
+            mesh.barrier()
+    finally:
+        mesh.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_poisoned_input_on_one_rank_still_joins_and_poisons_every_rank(peers):
+    mesh = ember.torch.mesh(peers, timeout=20)
+    try:
+        with mesh:
+            w = torch.ones(2, 3, device="ember")
+            idx = mesh.shard(torch.tensor([0, 5]))  # rank 1's index is out of range: only rank 1 fails
+            bad = torch.index_select(w, 0, idx)
+            mesh.all_reduce(bad)
+            with pytest.raises(RemoteExecutionError, match="poisoned on a peer"):
+                bad.cpu()
+            good = torch.ones(2, device="ember")  # the group goes on
+            mesh.all_reduce(good)
+            assert good.cpu().tolist() == [2.0, 2.0]
+    finally:
+        mesh.close()
+
+
+@pytest.mark.timeout(60)
+def test_two_meshes_on_the_same_peers_do_not_cross(peers):
+    one, two = ember.torch.mesh(peers, timeout=20), ember.torch.mesh(peers[::-1], timeout=20)
+    try:
+        with one:
+            a = one.shard(torch.tensor([1.0, 2.0]))
+        with two:
+            b = two.shard(torch.tensor([100.0, 200.0]))
+        wa, wb = one.all_reduce(a, async_op=True), two.all_reduce(b, async_op=True)
+        wb.wait()
+        wa.wait()
+        assert a.cpu().tolist() == [3.0] and b.cpu().tolist() == [300.0]
+    finally:
+        one.close()
+        two.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_peer_is_named_within_the_group_timeout_and_the_survivor_carries_on(peers):
+    victim, addr = start_peer()
+    try:
+        mesh = ember.torch.mesh([peers[0], addr], timeout=5)
+        with mesh:
+            model = DataParallel(make_mlp().to("ember"))
+            x, y = batches(1)[0]
+            loss_of(model, mesh.shard(x), mesh.shard(y)).backward()
+            assert mesh.mean(torch.ones(1, device="ember")).item() == 1.0
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(10)
+            t0 = time.monotonic()
+            with pytest.raises(MeshPeerLost, match=re.escape(addr)):
+                for _ in range(50):  # the loss reaches the client at the next op or read
+                    loss_of(model, mesh.shard(x), mesh.shard(y)).backward()
+                    mesh.mean(torch.ones(1, device="ember")).item()
+            assert time.monotonic() - t0 < 5 + 15
+        mesh.close()
+        survivor = ember.connect(peers[0])
+        with survivor:
+            assert (torch.arange(4.0, device="ember") * 2).sum().item() == 12.0
+        survivor.close()
+    finally:
+        victim.kill()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_without_collectives_fails_at_mesh_naming_it(peers):
+    plain = Server(["torch:cpu"])
+    plain.listen_websocket("127.0.0.1", 0)
+    addr = plain.start_in_thread()[0]
+    try:
+        with pytest.raises(MeshError, match=re.escape(addr)):
+            ember.torch.mesh([addr, peers[0]], timeout=5)
+        with pytest.raises(MeshError, match="not a torch"):
+            numpy_peer = Server(["cpu"])
+            numpy_peer.listen_websocket("127.0.0.1", 0)
+            try:
+                ember.torch.mesh([numpy_peer.start_in_thread()[0]])
+            finally:
+                numpy_peer.close()
+    finally:
+        plain.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_reaches_only_stores_its_operator_allows(peers):
+    dev = ember.connect(peers[0])
+    try:
+        s = dev.session
+        for store in ("8.8.8.8:53", "example.com:80", "127.0.0.1:99999"):
+            tid = next(s.ids)
+            s.record([m.OP, "torch.dist.join", [], 0, [tid], {"g": "x" * 32, "store": store, "rank": 0, "size": 2,
+                                                             "timeout": 1.0, "backend": "gloo"}])
+            with pytest.raises(RemoteExecutionError, match="store"):
+                s.read(tid)
+        tid = next(s.ids)  # a collective on a group this session never joined: refused, session alive
+        s.record([m.OP, "torch.dist.barrier", [], 0, [tid], {"g": "y" * 32}])
+        with pytest.raises(RemoteExecutionError, match="no such process group"):
+            s.read(tid)
+        with dev:
+            assert torch.ones(3, device="ember").sum().item() == 3.0
+    finally:
+        dev.close()
