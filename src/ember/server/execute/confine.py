@@ -37,14 +37,17 @@ def _plain_list(v: list[Any], depth: int = 0) -> bool:
 
 def scalar_fault(args: list[Any], smask: int, dtypes: Any) -> str | None:
     """Why one of an op's literal scalars (bit i of ``smask``) may not be used, or None."""
-    i = 0
-    for a in args:
+    for a in args:  # tensor ids are ints: only arguments that are not numbers need their mask bit
+        if type(a) not in _PLAIN:
+            break
+    else:
+        return None
+    for i, a in enumerate(args):
         if smask >> i & 1:
             t = type(a)
             if t not in _PLAIN and not (t is list and _plain_list(a)) and not (t is str and a in dtypes):
                 return (f"scalar argument {i} is a {t.__name__}: scalars are numbers, None, lists of numbers "
                         "or a dtype name of this device")
-        i += 1
     return None
 
 

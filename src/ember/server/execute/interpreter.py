@@ -21,7 +21,7 @@ from ..guard.memory import DeviceMemory, SessionMemory, footprint_for, host_copy
 from ..telemetry.probe import OFF
 from .adapters import adapt
 from .backends import Backend, UnknownOp
-from .confine import confine, kwargs_fault, scalar_fault
+from .confine import REFUSED_KWARGS, confine, kwargs_fault, scalar_fault
 from .graph_cache import MAX_CACHE_BYTES, GraphCache
 from .holdings import SMALL, Holdings, _ELEMENTWISE
 from .replay import GraphReplay, NeedGraph, Poison, call_text, describe, describe_layouts, written_of
@@ -271,9 +271,8 @@ class Interpreter(GraphReplay, Holdings):
                 vals = [t[a] for a in args]
             fn = self.table[name]
             if kwargs:
-                bad = kwargs_fault(kwargs)
-                if bad is not None:
-                    raise TypeError(bad)
+                if not REFUSED_KWARGS.isdisjoint(kwargs):
+                    raise TypeError(kwargs_fault(kwargs))
                 if "dtype" in kwargs and kwargs["dtype"] is not None:
                     kwargs["dtype"] = self.backend.dtype(kwargs["dtype"])  # a dtype name, nothing else
                 if "axis" in kwargs and type(kwargs["axis"]) is list:
