@@ -172,7 +172,33 @@ def p13_refused_read(addr: str) -> str:
     return f"1 GiB read the peer refuses: {what}, client RSS +{grew:.0f} MiB"
 
 
-PROBES = [("1 freed data", p1_freed), ("2 object arrays", p2_objects), ("3 huge SYNC frame", p3_sync_frame),
+def p4_pre_auth(addr: str) -> str:
+    import socket
+    from ember.transport.tcp import PREAMBLE
+    host, port = TCP[0][len("tcp://"):].rsplit(":", 1)
+    socks = []
+    for _ in range(30):  # 64 MiB length prefixes before any Hello
+        s = socket.create_connection((host, int(port)))
+        s.sendall(PREAMBLE + (64 << 20).to_bytes(4, "big"))
+        socks.append(s)
+    socks += [socket.create_connection((host, int(port))) for _ in range(300)]  # idle, never a Hello
+    time.sleep(1.0)
+    open_ = 0
+    for s in socks:
+        s.setblocking(False)
+        try:
+            open_ += s.recv(1) != b""
+        except BlockingIOError:
+            open_ += 1
+        except OSError:
+            pass
+    for s in socks:
+        s.close()
+    return f"30 x 64 MiB length prefixes + 300 idle TCP connections before login: {open_} still open after 1 s"
+
+
+TCP: list = []
+PROBES = [("4 pre-auth memory", p4_pre_auth), ("1 freed data", p1_freed), ("2 object arrays", p2_objects), ("3 huge SYNC frame", p3_sync_frame),
           ("5 graph scalars", p5_graph_scalars), ("8 broadcast views", p8_broadcast), ("8 ATen outputs", p8_aten),
           ("13 refused read", p13_refused_read)]
 
@@ -189,7 +215,10 @@ def main() -> None:
     del big
     srv = Server(["cpu", "torch:cpu"], memory_limit="64MiB", session_memory="32MiB", max_wait=5.0)
     srv.listen_websocket("127.0.0.1", 0)
-    addr = srv.start_in_thread()[0]
+    srv.listen_tcp("127.0.0.1", 0)
+    addrs = srv.start_in_thread()
+    addr = addrs[0]
+    TCP[:] = [a for a in addrs if a.startswith("tcp://")]
     print(f"ember from {os.path.dirname(ember.__file__)}; budget: device 64 MiB, session 32 MiB")
     try:
         for label, probe in PROBES:

@@ -200,3 +200,54 @@ def test_a_refused_large_read_does_not_grow_the_client(peer):
     assert after - before < 256 * MiB
     assert float(xp.sum(xp.arange(10, device=d))) == 45
     d.close()
+
+
+def _statm_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_connections_before_login_hold_a_few_kib():
+    """Item 4: huge length prefixes before a Hello are refused unread; idle unauthenticated
+    connections are capped per client; a canary then logs in and computes."""
+    import socket
+    from ember.server.guard.limits import MAX_PENDING_PER_CLIENT
+    from ember.transport.tcp import PREAMBLE
+    tcp = Server(["cpu"], memory_limit="64MiB", session_memory="32MiB")
+    tcp.listen_tcp("127.0.0.1", 0)
+    addr = [a for a in tcp.start_in_thread() if a.startswith("tcp://")][0]
+    try:
+        hp = addr[len("tcp://"):].rsplit(":", 1)
+        base = _statm_rss()
+        bombs = []
+        for _ in range(20):  # 64 MiB frames announced before any Hello
+            s = socket.create_connection((hp[0], int(hp[1])))
+            s.sendall(PREAMBLE + (64 << 20).to_bytes(4, "big"))
+            bombs.append(s)
+        for s in bombs:
+            s.settimeout(10)
+            assert s.recv(1) == b""  # closed, unread
+            s.close()
+        idle = [socket.create_connection((hp[0], int(hp[1]))) for _ in range(MAX_PENDING_PER_CLIENT + 16)]
+        closed = 0
+        for s in idle[-16:]:
+            s.settimeout(10)
+            try:
+                closed += s.recv(1) == b""
+            except OSError:
+                closed += 1
+        assert closed == 16  # past the cap: closed at once
+        assert _statm_rss() - base < 64 << 20
+        for s in idle:
+            s.close()
+        d = None
+        for _ in range(100):  # the idle ones are gone once the peer sees them closed
+            try:
+                d = ember.connect(addr)
+                break
+            except ember.errors.EmberError:
+                time.sleep(0.05)
+        assert d is not None and float(xp.sum(xp.arange(10, device=d))) == 45
+        d.close()
+    finally:
+        tcp.close()

@@ -46,6 +46,10 @@ def bind_error(e: OSError, where: str, what: str, flag: str) -> BindError:
                      cause=cause, hint=hint, transient=cause == "address_in_use")
 
 
+#: The largest frame a server reads from a connection before it accepted the connection's first frame
+#: (a Hello, a lane's attach, a transfer request: all far smaller); transports buffer no more than that.
+PRE_AUTH_FRAME = 16 * 1024
+
 #: Buffers from this size are mapped with their pages populated at once (``receive_buffer``).
 PREFAULT_MIN = 32 << 20
 
