@@ -178,6 +178,9 @@ def serve(args: argparse.Namespace) -> int:
         print(f"ember serve: iroh relay reached; ticket {ticket}", flush=True)
 
     def ready(addresses: list[str]) -> None:
+        if getattr(server, "iroh_listener", None) is not None and not server.authorizer:
+            print("ember serve: note: anyone with this peer's iroh ticket can use this peer; --allow/--token to "
+                  "restrict", file=sys.stderr, flush=True)
         for a in addresses:  # WebSocket and TCP first, then the iroh ticket
             print(f"ember serve: listening on {a} ({describe_devices(server)})", flush=True)
         if server.metrics_address:
@@ -198,9 +201,6 @@ def serve(args: argparse.Namespace) -> int:
                 print("  hint: the ticket above works for clients that reach a direct address; --offline skips "
                       "relays, --require-relay exits instead", file=sys.stderr, flush=True)
                 lst.on_relay.append(relay_reached)
-            if not server.authorizer:
-                print("ember serve: note: any client holding the ticket may compute here; restrict with --allow "
-                      "or --token", file=sys.stderr, flush=True)
 
     server.run(ready)
     print("ember serve: stopped", flush=True)

@@ -189,7 +189,10 @@ class BulkData:
         if w is None:
             return None
         if w.buf is None:
-            w.buf = receive_buffer(total)
+            try:
+                w.buf = receive_buffer(total)
+            except MemoryError:
+                return None  # the chunk comes in its frame: ``_data_frame`` fails the read with the reason
         elif len(w.buf) != total:
             return None
         self._placed[(req, off)] = n  # counted once the bytes are in (``_data_frame``)
@@ -212,7 +215,13 @@ class BulkData:
         if type(off) is not int or type(total) is not int or total < 0:
             raise ProtocolError(f"malformed data frame head from {self.address}: {str(p)[:80]}")
         if w.buf is None:
-            w.buf = receive_buffer(total)
+            try:
+                w.buf = receive_buffer(total)
+            except MemoryError as e:  # larger than this machine can hold: the read fails, the session lives
+                del self._waiters[req]
+                w.error = e
+                w.set()
+                return
         if len(payload):
             if len(w.buf) != total or not 0 <= off <= total - len(payload):
                 raise ProtocolError(f"a chunk from {self.address} lies outside the array it answers")

@@ -373,17 +373,28 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
     """Serve one stream: a session until it closes, breaks or sends garbage; or one download."""
     limits = server.client_limits
     identity = client_identity(conn.peer_id, conn.remote)
+    if not server.admission.begin_pending(identity):
+        await _close_quietly(conn)
+        return
     try:
-        first = await asyncio.wait_for(conn.recv(), limits.handshake_timeout)
+        try:
+            first = await asyncio.wait_for(conn.recv(), limits.handshake_timeout)
+        finally:
+            server.admission.end_pending(identity)
         if first is None:
             return
         request = first_map(first)
+        trust = getattr(conn, "trust", None)  # once the first frame is accepted: full-size frames
         if request is not None and request.get("type") == "transfer":
+            if trust is not None:
+                trust()
             await serve_transfer(server.transfers, conn, request, server.limits["chunk"], server.telemetry)
             await _close_quietly(conn)
             return
         lane = pl.decode_first(request)
         if lane is not None:
+            if trust is not None:
+                trust()
             await serve_lane(server, conn, lane)
             await _close_quietly(conn)
             return
@@ -399,6 +410,9 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
     if hello is None:
         await _close_quietly(conn)
         return
+    trust = getattr(conn, "trust", None)
+    if trust is not None:
+        trust()
     loop = asyncio.get_running_loop()
     session = Session(server, conn, hello, loop, identity)
     server.sessions[session.session_id] = session

@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import ConnectError, LimitExceeded
 from ..protocol import codec
 from ..protocol import messages as pm
-from .base import DataSink, Frame, SessionHandler, bind_error, frame_parts
+from .base import PRE_AUTH_FRAME, DataSink, Frame, SessionHandler, bind_error, frame_parts
 
 log = logging.getLogger("ember.transport.tcp")
 
@@ -146,18 +146,34 @@ class TcpConnection:
 
     def __init__(self, io: Any, remote: str, *, max_frame: int, expect_preamble: bool = False) -> None:
         self.remote = remote
-        self.max_frame = max_frame
+        # a server's connection holds a few KiB and reads one frame no larger than a Hello until the
+        # peer trusts it (``trust``: after the handshake); a client's trusts its peer at once
+        self.max_frame = PRE_AUTH_FRAME if expect_preamble else max_frame
+        self._full_frame = max_frame
+        self._trusted: asyncio.Event | None = asyncio.Event() if expect_preamble else None
         self._io = io
         self._q: asyncio.Queue = asyncio.Queue(maxsize=16)
         self._sink: DataSink | None = None
         self._lock = asyncio.Lock()
         self._closed = False
         self._broken: str | None = None
-        self._stage = bytearray(_STAGE)
+        self._stage = bytearray(PRE_AUTH_FRAME if expect_preamble else _STAGE)
         self._view = memoryview(self._stage)
         self._start = self._end = 0
         self._expect_preamble = expect_preamble
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    def trust(self) -> None:
+        """The peer accepted this connection's first frame: full-size frames and staging from now on."""
+        self.max_frame = self._full_frame
+        if self._trusted is not None:
+            self._trusted.set()
+
+    def _grow_stage(self) -> None:
+        stage = bytearray(_STAGE)
+        n = self._end - self._start
+        stage[:n] = self._view[self._start:self._end]
+        self._stage, self._view, self._start, self._end = stage, memoryview(stage), 0, n
 
     def set_data_sink(self, sink: DataSink | None) -> None:
         """Read data-frame payloads into the buffers ``sink`` returns (see ``transport.base``)."""
@@ -168,7 +184,7 @@ class TcpConnection:
         """At least ``k`` (<= _STAGE) bytes staged; False at a clean end before any of them."""
         if self._end - self._start >= k:
             return True
-        if _STAGE - self._start < k:  # compact
+        if len(self._stage) - self._start < k:  # compact
             n = self._end - self._start
             self._view[:n] = self._view[self._start:self._end]
             self._start, self._end = 0, n
@@ -221,6 +237,10 @@ class TcpConnection:
                 if n < _DIRECT:
                     await self._fill(n)
                     await self._put(bytes(self._take(n)))
+                    if self._trusted is not None:  # the first frame: nothing more until it is judged
+                        await self._trusted.wait()
+                        self._trusted = None
+                        self._grow_stage()
                     continue
                 frame = await self._read_data(n) if self._sink is not None else None
                 if frame is None:

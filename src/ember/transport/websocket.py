@@ -12,7 +12,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.asyncio.server import ServerConnection, serve
 
 from ..errors import ConnectError
-from .base import Frame, SessionHandler, bind_error, frame_parts
+from .base import PRE_AUTH_FRAME, Frame, SessionHandler, bind_error, frame_parts
 
 
 def is_loopback(host: str) -> bool:
@@ -49,6 +49,7 @@ class WebSocketConnection:
     def __init__(self, ws: Any, remote: str) -> None:
         self._ws = ws
         self.remote = remote
+        self.full_size: int | None = None
 
     async def send(self, frame: Frame) -> None:
         try:
@@ -68,6 +69,12 @@ class WebSocketConnection:
             raise ConnectionError(f"WebSocket to {self.remote} broke: {e}") from None
         return msg.encode() if isinstance(msg, str) else msg
 
+    def trust(self) -> None:
+        """The peer accepted this connection's first frame: full-size frames from now on (a server's
+        connection reads frames no larger than ``PRE_AUTH_FRAME`` until then)."""
+        if self.full_size is not None:
+            self._ws.protocol.max_message_size = self.full_size
+
     async def close(self) -> None:
         await self._ws.close()
 
@@ -84,7 +91,9 @@ class WebSocketListener:
     async def start(self, handler: SessionHandler) -> None:
         async def on_connect(ws: ServerConnection) -> None:
             host, port = ws.remote_address[:2]
-            await handler(WebSocketConnection(ws, f"{host}:{port}"))
+            conn = WebSocketConnection(ws, f"{host}:{port}")
+            conn.full_size, ws.protocol.max_message_size = ws.protocol.max_message_size, PRE_AUTH_FRAME
+            await handler(conn)
 
         try:
             # a peer reads a session's frames only as fast as its worker runs them (server/session.py):

@@ -24,6 +24,7 @@ from ...protocol import codec
 from ...protocol import messages as m
 from ...protocol.codec import safe_repr
 from .backends import Backend
+from .confine import kwargs_fault, scalar_fault
 
 Step = tuple[Any, tuple[int, ...], tuple[int, ...], "dict[str, Any] | None", str, tuple[int, ...],
              "Exception | None"]
@@ -81,6 +82,9 @@ def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend:
         raise ProtocolError("malformed Graph message: scalars, body, kept and consumed must be arrays")
     if len(body) > m.MAX_GRAPH_OPS:
         raise ProtocolError(f"graph of {len(body)} ops exceeds this peer's limit of {m.MAX_GRAPH_OPS}")
+    bad = scalar_fault(scalars, (1 << len(scalars)) - 1, backend.dtypes)
+    if bad is not None:
+        raise ProtocolError(f"malformed Graph message: {bad}")
     first_out = n_in + len(scalars)
     reg = first_out
     steps: list[Step] = []
@@ -108,6 +112,9 @@ def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend:
                     kw["axis"] = tuple(kw["axis"])
             except Exception as e:  # fails at run time, exactly like the op sent alone
                 err = e
+            bad = kwargs_fault(kw)
+            if bad is not None:
+                err = TypeError(bad)
         tregs = tuple(r for r in regs if not n_in <= r < first_out)
         steps.append((table.get(name), tuple(regs), tuple(range(reg, reg + nouts)), kw, name, tregs, err))
         reg += nouts
@@ -117,6 +124,8 @@ def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend:
         _int(k, "a consumed input", 0, n_in)
     g = CompiledGraph(gid, n_in, scalars, tuple(steps), tuple(kept), tuple(consumed), reg, cost + 8 * reg)
     _sizes(g, msg)
+    if scalars:  # its literals (a list of millions of numbers...) are held as long as it is cached
+        g.nbytes += 8 * len(codec.packb(scalars))
     return g
 
 

@@ -17,10 +17,11 @@ import numpy as np
 
 from ...errors import LimitExceeded
 from ...protocol import ops
-from .replay import Poison, call_text, limit_poison, written_of
-from .sizes import THRESHOLD, predict
+from .replay import Poison, call_text, describe_layouts, limit_poison, written_of
+from .sizes import THRESHOLD, declared_outputs, predict
 
 _ELEMENTWISE = ops.ELEMENTWISE
+_FOREIGN = "OUSVMm"  # NumPy kinds no device announces (objects, strings, voids, dates): never stored
 SMALL = THRESHOLD // 16
 """Operands below this many bytes cannot make an elementwise result worth reserving for."""
 
@@ -34,6 +35,7 @@ class Holdings:
     backend: Any         # Backend
     _fp: Any
     _numpy: bool
+    _aten: bool
     max_tensors: int
 
     def _reserve(self, name: str, vals: list[Any], kwargs: Any) -> int:
@@ -55,6 +57,24 @@ class Holdings:
         if need <= max((fp(v)[1] for v in vals if getattr(v, "shape", None) is not None), default=0):
             return 0  # no larger than an input: charged once it exists
         self.mem.charge(need, lambda: call_text(name, vals, kwargs))
+        return need
+
+    def _reserve_unpredicted(self, name: str, vals: list[Any], kwargs: Any) -> int:
+        """Charge, before it runs, an op :mod:`sizes` does not predict: an ATen call's declared
+        outputs (the storages the peer fills in); an op over a view much larger than its buffer (a
+        broadcast), whose outputs and temporaries may be as large as the view."""
+        if self._aten:
+            need = declared_outputs(kwargs) if kwargs else 0
+            if need:
+                self.mem.charge(need, lambda: describe_layouts(kwargs) or name)
+            return need
+        need = 0
+        for v in vals:
+            n = getattr(v, "nbytes", 0)
+            if type(n) is int and n >= THRESHOLD and n > need and n > self._fp(v)[1]:
+                need = n
+        if need:
+            self.mem.charge(need, lambda: call_text(name, vals, kwargs))
         return need
 
     def _footprints(self, fn: Any, args: Any, kwargs: Any) -> list[tuple[Any, int, int]] | None:
@@ -92,6 +112,9 @@ class Holdings:
             raise LimitExceeded(f"this session already holds {len(t)} tensors, the most this peer allows "
                                 f"(max_tensors)", hint="free arrays you no longer need (del x)")
         if self._numpy and type(value) is np.ndarray and value.base is None:  # the hot path, inlined
+            if value.dtype.kind in _FOREIGN:
+                self.mem.release(prepaid)
+                raise TypeError(f"{what} made a {value.dtype} array; this device holds only {', '.join(self.backend.dtypes)}")
             key, n = id(value), value.nbytes
         else:
             key, n = self._fp(value)

@@ -23,7 +23,8 @@ from ..guard.memory import DeviceMemory, SessionMemory, footprint_for, host_copy
 from ..telemetry.probe import OFF
 from .adapters import adapt
 from .backends import Backend, UnknownOp
-from .graph_cache import GraphCache
+from .confine import REFUSED_KWARGS, confine, kwargs_fault, scalar_fault
+from .graph_cache import MAX_CACHE_BYTES, GraphCache
 from .holdings import SMALL, Holdings, _ELEMENTWISE
 from .replay import GraphReplay, NeedGraph, Poison, call_text, describe, describe_layouts, written_of
 from .sizes import PREDICTED, custom_outputs, upload_fault
@@ -65,6 +66,7 @@ def build_table(backend: Backend) -> dict[str, Callable[..., Any]]:
     table["setitem"] = setitem
     table["copy"] = lambda x: xp.asarray(x, copy=True)
     adapt(backend.kind, xp, dev, table)
+    confine(table)
     return table
 
 
@@ -134,7 +136,9 @@ class Interpreter(GraphReplay, Holdings):
         self.ops_run = 0
         self.probe, self.label = OFF, ""  # telemetry (server/telemetry/probe.py): the session sets both
         self.graph_hits = self.graph_misses = self.replayed_ops = self.graph_saved = 0
-        self.graphs = GraphCache(int(limits.get("graph_cache", m.DEFAULT_GRAPH_CACHE)), memory=self.mem)
+        lim = self.mem.limit or self.mem.device.limit  # graphs may hold a quarter of the budget at most
+        self.graphs = GraphCache(int(limits.get("graph_cache", m.DEFAULT_GRAPH_CACHE)), memory=self.mem,
+                                 max_bytes=min(MAX_CACHE_BYTES, lim // 4) if lim else MAX_CACHE_BYTES)
         self._stalled: list[list[Any]] | None = None  # REPLAY of an unknown graph + everything after it
         self._stall_gid: Any = None
 
@@ -290,7 +294,13 @@ class Interpreter(GraphReplay, Holdings):
                 if not getattr(fn, "joins_poisoned", False):
                     raise
                 vals = [a if smask >> i & 1 else t.get(a) for i, a in enumerate(args)]
+            if smask:
+                bad = scalar_fault(args, smask, self.backend.dtypes)
+                if bad is not None:
+                    raise TypeError(bad)
             if kwargs:
+                if not REFUSED_KWARGS.isdisjoint(kwargs):
+                    raise TypeError(kwargs_fault(kwargs))
                 if "dtype" in kwargs and kwargs["dtype"] is not None:
                     kwargs["dtype"] = self.backend.dtype(kwargs["dtype"])  # a dtype name, nothing else
                 if "axis" in kwargs and type(kwargs["axis"]) is list:
@@ -304,6 +314,8 @@ class Interpreter(GraphReplay, Holdings):
                         reserved = self._reserve_predicted(name, vals, kwargs)
                 else:
                     reserved = self._reserve(name, vals, kwargs)
+            else:
+                reserved = self._reserve_unpredicted(name, vals, kwargs)
             written = self._footprints(fn, args, kwargs) if self._aten else None
             try:
                 res = fn(*vals, **kwargs) if kwargs else fn(*vals)

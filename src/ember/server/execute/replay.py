@@ -15,6 +15,7 @@ from typing import Any, Callable
 from ...errors import LimitExceeded, ProtocolError, to_wire
 from ...protocol import messages as m
 from ...protocol.codec import safe_repr
+from .confine import scalar_fault
 from .graph_cache import compile_graph
 from .sizes import PREDICTED
 
@@ -216,6 +217,8 @@ class GraphReplay:
             idx = scal[j]
             if type(idx) is not int or not 0 <= idx < g.n_s:
                 raise ProtocolError(f"Replay of graph {gid} overrides scalar {idx!r} of {g.n_s}")
+            if scalar_fault(scal, 2 << j, self.backend.dtypes) is not None:
+                raise ProtocolError(f"Replay of graph {gid} overrides scalar {idx} with a {type(scal[j + 1]).__name__}")
             R[n_in + idx] = scal[j + 1]
         mem = self.mem
         temps = 0  # bytes of results the register file holds (nominal sizes), released at the end
@@ -233,7 +236,8 @@ class GraphReplay:
                     if err is not None:
                         raise err
                     args = [R[r] for r in regs]
-                    reserved = self._reserve(name, args, kw) if name in PREDICTED else 0
+                    reserved = self._reserve(name, args, kw) if name in PREDICTED else \
+                        self._reserve_unpredicted(name, args, kw)  # type: ignore[attr-defined]
                     try:
                         res = fn(*args, **kw) if kw else fn(*args)
                     finally:

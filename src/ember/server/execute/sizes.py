@@ -289,6 +289,16 @@ def custom_outputs(specs: Any) -> int:
         return 0
 
 
+def declared_outputs(kwargs: Any) -> int:
+    """Bytes of the fresh outputs an ATen call's client declares (``kwargs["o"]``, see
+    :mod:`ember.protocol.aten`): the peer stores them in storages of that size. 0 if none or malformed."""
+    try:
+        n = sum(s[5] for s in kwargs["o"] if type(s[5]) is int and s[5] > 0)
+    except Exception:  # noqa: BLE001 - no specs (data-dependent outputs) or malformed: the op says what is wrong
+        return 0
+    return n if n >= THRESHOLD else 0
+
+
 PREDICTORS: dict[str, Callable[..., int]] = {name: _elementwise_for(name) for name in ops.ELEMENTWISE}
 PREDICTORS.update({
     "where": _elementwise_for("where"),
@@ -358,4 +368,4 @@ def predict(name: str, vals: Sequence[Any], kwargs: dict[str, Any] | None, xp: A
     return n if n >= THRESHOLD else 0
 
 
-__all__ = ["predict", "upload_fault", "custom_outputs", "PREDICTORS", "PREDICTED", "THRESHOLD", "ITEMSIZE"]
+__all__ = ["predict", "upload_fault", "custom_outputs", "declared_outputs", "PREDICTORS", "PREDICTED", "THRESHOLD", "ITEMSIZE"]

@@ -65,6 +65,11 @@ def client_identity(peer_id: str | None, remote: str) -> str:
     return remote
 
 
+#: Connections waiting for their first frame (before any login), in all and per client address.
+MAX_PENDING = 1024
+MAX_PENDING_PER_CLIENT = 64
+
+
 class Admission:
     """Counts sessions per client and refusals per limit (all on the server's event loop)."""
 
@@ -72,6 +77,8 @@ class Admission:
         self.limits = limits
         self.per_client: Counter[str] = Counter()
         self.refusals: Counter[str] = Counter()
+        self.pending: Counter[str] = Counter()  # connections that sent no first frame yet, per client
+        self.pending_total = 0
 
     def refuse(self, identity: str, total: int) -> tuple[str, str] | None:
         """(code, reason) when a new session of ``identity`` must be refused, else None."""
@@ -86,6 +93,21 @@ class Admission:
                              f"may have (--max-sessions-per-client {lim.max_sessions_per_client}); "
                              "close one (dev.close()) or reuse a device")
         return None
+
+    def begin_pending(self, identity: str) -> bool:
+        """May one more connection of ``identity`` wait for its first frame? (False: close it, unread.)"""
+        if self.pending_total >= MAX_PENDING or self.pending[identity] >= MAX_PENDING_PER_CLIENT:
+            self.refusals["pending"] += 1
+            return False
+        self.pending[identity] += 1
+        self.pending_total += 1
+        return True
+
+    def end_pending(self, identity: str) -> None:
+        self.pending_total -= 1
+        self.pending[identity] -= 1
+        if self.pending[identity] <= 0:
+            del self.pending[identity]
 
     def opened(self, identity: str) -> None:
         self.per_client[identity] += 1
