@@ -6,7 +6,7 @@ back. The network loop never waits on compute; pings are answered by the loop
 itself so a long op never looks like a dead peer.
 
 Tiny batches run inline. When the worker is idle and a batch is provably cheap
-(``Interpreter.cheap``: NumPy device, at most 16 messages, elementwise ops on
+(``Interpreter.cheap``: NumPy or torch CPU device, at most 16 messages, elementwise ops on
 at most 4096 elements, small reads and uploads, syncs, drops), the loop runs it
 itself instead of handing it to the worker and back: that saves two thread
 hops (about half of a small op+read round trip) and costs the loop a bounded

@@ -19,6 +19,10 @@ class MemoryConnection:
         self.remote = remote
 
     async def send(self, frame: Frame) -> None:
+        self.send_nowait(frame)
+
+    def send_nowait(self, frame: Frame) -> None:
+        """Send at once (the link never blocks): the client's loop sends a read here, a task switch sooner."""
         if self._closed:
             raise ConnectionError("memory link closed")
         self._outbox.put_nowait(frame_bytes(frame))  # a copy: the sender may change its buffers
