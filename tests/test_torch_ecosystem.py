@@ -101,3 +101,19 @@ def test_ember_run_runs_an_unchanged_script_with_device_ember_on_a_served_peer(t
         assert r.returncode == 0, err
         assert out.split() == ["__main__", "ember", loss]  # on ember, bit-equal to the CPU run
     assert log.count("session") >= 2, log  # both runs reached the served peer
+
+
+def test_torch_compile_with_the_default_backend_runs_ember_graphs_on_the_ember_backend() -> None:
+    from ember.torch import _patches
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model.load_state_dict(local.state_dict())
+    compiled = torch.compile(model.to("ember"))
+    x = torch.randn(3, 4)
+    _patches.WARNED_COMPILE.clear()
+    with pytest.warns(UserWarning, match='backend="ember"'):
+        y = compiled(x.to("ember"))
+    y.sum().backward()
+    local(x).sum().backward()
+    assert torch.equal(y.cpu(), local(x)) and torch.equal(model[0].weight.grad.cpu(), local[0].weight.grad)
