@@ -2,7 +2,10 @@
 
 Imports :mod:`ember.torch` (``"ember"`` becomes a torch device), connects to ``--peer`` (else
 ``$EMBER_PEER``, else the embedded in-process peer), then runs the script as ``__main__`` with
-its own argv, so ``--device=ember`` or ``torch.device("ember")`` in it lands on that peer.
+its own argv, so ``--device=ember`` or ``torch.device("ember")`` in it lands on that peer. It also sets
+``ACCELERATE_TORCH_DEVICE=ember`` unless set: accelerate's switch for a device it does not know by name,
+through which ``transformers.Trainer`` trains on ember. (Not set by ``import ember.torch``: accelerate
+lets the variable override ``cpu=True``, so ``TrainingArguments(use_cpu=True)`` would train on ember.)
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.peer:
         os.environ["EMBER_PEER"] = args.peer  # (the script's subprocesses, DataLoader workers, see it too)
+    os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "ember")  # accelerate's (so transformers.Trainer's) device
     if not os.path.isfile(args.script):
         print(f"ember run: error: no script at {args.script!r}", file=sys.stderr)
         return 2
