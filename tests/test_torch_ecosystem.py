@@ -6,9 +6,11 @@ model come back on ember (the file stays a CPU checkpoint, loadable without Embe
 
 from __future__ import annotations
 
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,3 +60,60 @@ def test_a_whole_pickled_model_saved_from_ember_loads_back_on_ember(tmp_path: Pa
                      f"m = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False); print(m[0].weight.device)")
     r = subprocess.run([sys.executable, "-c", without_ember], capture_output=True, text=True, timeout=100)
     assert r.returncode == 0 and r.stdout.strip() == "cpu", r.stderr
+
+
+SCRIPT = '''
+import argparse, torch
+p = argparse.ArgumentParser()
+p.add_argument("--device", default="cpu")
+p.add_argument("--steps", type=int, default=3)
+a = p.parse_args()
+torch.manual_seed(0)
+m = torch.nn.Linear(4, 1).to(a.device)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(a.steps):
+    loss = m(torch.randn(8, 4).to(a.device)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+print(__name__, next(m.parameters()).device.type, repr(loss.item()))
+'''
+
+
+@pytest.mark.timeout(180)
+def test_ember_run_runs_an_unchanged_script_with_device_ember_on_a_served_peer(tmp_path: Path, capsys: Any,
+                                                                              monkeypatch: Any) -> None:
+    from test_core_cli import ENV, start_serve
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    monkeypatch.setattr(sys, "argv", [str(script), "--steps", "4"])
+    runpy.run_path(str(script), run_name="__main__")  # the same script on local CPU, here
+    loss = capsys.readouterr().out.split()[-1]
+    serve, addr = start_serve("--device", "torch:cpu", "--no-iroh", "--websocket", "127.0.0.1:0", "--log-level", "debug")
+    run = [sys.executable, "-m", "ember.cli.main", "run"]
+    try:  # the peer named by --peer, and by EMBER_PEER (two runs at once)
+        runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                for cmd, env in ((run + ["--peer", addr, str(script), "--device=ember", "--steps", "4"], ENV),
+                                 (run + [str(script), "--device=ember", "--steps", "4"], {**ENV, "EMBER_PEER": addr}))]
+        outs = [r.communicate(timeout=120) for r in runs]
+    finally:
+        serve.terminate()
+        _, log = serve.communicate(timeout=30)
+    for r, (out, err) in zip(runs, outs):
+        assert r.returncode == 0, err
+        assert out.split() == ["__main__", "ember", loss]  # on ember, bit-equal to the CPU run
+    assert log.count("session") >= 2, log  # both runs reached the served peer
+
+
+def test_torch_compile_with_the_default_backend_runs_ember_graphs_on_the_ember_backend() -> None:
+    from ember.torch import _patches
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model.load_state_dict(local.state_dict())
+    compiled = torch.compile(model.to("ember"))
+    x = torch.randn(3, 4)
+    _patches.WARNED_COMPILE.clear()
+    with pytest.warns(UserWarning, match='backend="ember"'):
+        y = compiled(x.to("ember"))
+    y.sum().backward()
+    local(x).sum().backward()
+    assert torch.equal(y.cpu(), local(x)) and torch.equal(model[0].weight.grad.cpu(), local[0].weight.grad)

@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train a PyTorch MLP through ember.torch and compare it with local CPU torch")
     _log_options(d, top=False)
 
+    r = sub.add_parser("run", help="run an unchanged PyTorch script with \"ember\" as its device (like torchrun)")
+    from .launch import add_options as launch_options
+    launch_options(r)
+    _log_options(r, top=False)
+
     from ..bench import build_parser as bench_options
     b = sub.add_parser("bench", help="the benchmark suite: every figure per transport, next to baselines")
     bench_options(b)
@@ -129,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.torch:
                 return 0 if run_torch(args.address, steps=args.steps or 200) else 1
             return 0 if run(args.address, steps=args.steps or 300) else 1
+        if args.command == "run":
+            from .launch import run as launch
+            return launch(args)
         if args.command == "bench":
             from ..bench import run_args
             run_args(args)

@@ -1,13 +1,16 @@
 """Which Ember device and session an ATen call runs on, and the state the frontend keeps per session.
 
 ``"ember"`` tensors made by factory ops live on the current Ember device (the innermost
-``with dev:``, else ``ember.set_default_device``, else the embedded ``"local:torch"`` peer);
+``with dev:``, else ``ember.set_default_device``, else the peer named by ``EMBER_PEER`` (a ticket,
+``ws://…`` or ``tcp://…``; read when ``ember.torch`` is imported, connected at first use), else the
+embedded ``"local:torch"`` peer);
 every other op runs where its operands' storages live, all on one device. ``torch.manual_seed``
 reaches each peer lazily: before a session's next random op, its generator is reseeded.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -22,6 +25,7 @@ _lock = threading.Lock()
 _embedded: list[Device] = []
 _seeded: dict[int, int] = {}  # id(session) -> the seed generation it has applied
 SEED = [0, 0]  # [value, generation]; generation 0: never seeded by the user
+PEER = os.environ.get("EMBER_PEER", "").strip() or "local:torch"  # the default device's peer
 
 
 class NotATorchDevice(EmberError, RuntimeError):
@@ -44,7 +48,7 @@ def current_device() -> Device:
     if dev is None:
         with _lock:
             if not _embedded:
-                _embedded.append(connect("local:torch"))
+                _embedded.append(connect(PEER))
             dev = _embedded[0]
     return dev
 

@@ -5,6 +5,7 @@
   CPU copy formatted, with ``device='ember:0'`` in the suffix as CUDA shows it.
 * ``torch.save``: an ember tensor pickles as its CPU copy, so a checkpoint loads on a
   machine without Ember (``weights_only=True`` included).
+* ``torch.compile`` with the default backend: graphs on ember go to the ``ember`` backend (warned once).
 * Pinning: ``ember`` is torch's accelerator; pinning a CPU tensor for it is a no-op.
 * ``Module.to("ember")`` / ``.cpu()``: parameters keep their objects (tied weights stay tied,
   an optimizer made before the move trains them), swapped in place as torch swaps a subclass.
@@ -203,6 +204,35 @@ def _install_pinning() -> None:
     torch.Tensor.pin_memory, torch.Tensor.is_pinned = pin_memory, is_pinned  # type: ignore[method-assign]
 
 
+WARNED_COMPILE: list[bool] = []  # the default-backend warning was given
+
+
+def _install_default_compile() -> None:
+    """``torch.compile(model)`` with the default backend: inductor generates kernels for local devices
+    and cannot build for ember, so a graph with ember inputs goes to the ``ember`` backend instead
+    (bit-equal to eager), with a one-time warning; other graphs stay inductor's."""
+    wrapper = torch._TorchCompileInductorWrapper
+    original = wrapper.__call__
+    if getattr(original, "_ember", False):
+        return
+    warned = WARNED_COMPILE
+
+    def __call__(self: Any, model_: Any, inputs_: Any, **kwargs: Any) -> Any:
+        if not any(getattr(getattr(t, "device", None), "type", None) == "ember" for t in inputs_):
+            return original(self, model_, inputs_, **kwargs)
+        if not warned:
+            warned.append(True)
+            import warnings
+            warnings.warn("torch.compile: the default (inductor) backend cannot build kernels for ember tensors; "
+                          "compiling them with backend=\"ember\" instead (pass it to say so and silence this)",
+                          UserWarning, stacklevel=2)
+        from ._compile import compiler
+        return compiler(model_, inputs_)
+
+    __call__._ember = True  # type: ignore[attr-defined]
+    wrapper.__call__ = __call__  # type: ignore[method-assign]
+
+
 _crossing = threading.local()  # the (param, applied) pair Module._apply is deciding about
 
 
@@ -278,6 +308,7 @@ def install() -> list[Any]:
     _install_save()
     _install_module_apply()
     _install_pinning()
+    _install_default_compile()
     from . import _checkpoint
     _checkpoint.install()
     return [lib]
