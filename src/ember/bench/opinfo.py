@@ -234,24 +234,22 @@ def run_op(op: Any, pass_: str, every: bool = False, limit_s: int = 60) -> dict[
 
 def _run_samples(op: Any, pass_: str, every: bool) -> dict[str, Any]:
     status, detail, n = "pass", "", 0
-    if pass_ == "built":
-        torch.manual_seed(0)
-        pairs = [(_move(s, "cpu"), s) for s in samples(op, pass_, every, device="ember")]
-    else:
-        torch.manual_seed(0)
-        try:
-            made = samples(op, pass_, every)
-        except Exception as e:  # noqa: BLE001 - CPU torch's own generator fails: no reference
-            return {"status": "n/a", "samples": 0, "detail": f"CPU sample inputs: {type(e).__name__}: {e}"[:200]}
-        grad = pass_ == "grad"  # both sides get leaves made the same way (a sample's views of a base are not)
-        pairs = [(_move(s, "cpu", grad=True) if grad else s, _move(s, "ember", grad=grad)) for s in made]
-        if op.name in _HOST_ARGS:  # arguments the op takes on CPU whatever the device (as its samples make them)
-            for cs, es in pairs:
-                es.args = cs.args
-    for cs, es in pairs:
+    torch.manual_seed(0)
+    try:
+        made = samples(op, pass_, every, device="ember" if pass_ == "built" else "cpu")
+    except Exception as e:  # noqa: BLE001 - CPU torch's own generator fails: no reference
+        if pass_ == "built":
+            raise
+        return {"status": "n/a", "samples": 0, "detail": f"CPU sample inputs: {type(e).__name__}: {e}"[:200]}
+    grad = pass_ == "grad"  # both sides get leaves made the same way (a sample's views of a base are not)
+    for s in made:
         for name, call in _calls(op, pass_):
+            # fresh copies per call: samples may share tensors that an earlier call changed in place
+            cs, es = _move(s, "cpu", grad=grad), _move(s, "ember", grad=grad)
+            if op.name in _HOST_ARGS:  # arguments the op takes on CPU whatever the device (as its samples do)
+                es.args = cs.args
             c, e = _as_call(cs), _as_call(es)
-            if pass_ == "grad":
+            if grad:
                 st, why = compare(lambda s: _grad_call((*s, op)), c, e)
             elif name == "out" and _cpu_out_differs(op, cs):
                 st, why = "pass", "CPU torch's own out= differs from its functional result"
