@@ -67,8 +67,9 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
         mvalues.append(v)
     before = [(tuple(m.shape), tuple(m.stride()), m.storage_offset()) for m in metas]
     flag = _META_DIFFERS.get(i.base)
-    if flag is not None and any(n == flag and v for (n, *_r), v in zip(i.args, values)):
-        raise DataDependent(f"{i.name}: the meta kernel's shapes differ from the devices' with {flag}")
+    if flag is not None and any(n == flag and v for (n, *_r), v in zip(i.args, values)) or \
+            i.base in _META_DIFFERS_1D and operands and operands[0].dim() <= 1:
+        raise DataDependent(f"{i.name}: the meta kernel's shapes differ from the devices' here")
     evaluating = i.base in _EVAL_STATS and not any(n == "training" and v for (n, *_r), v in zip(i.args, values))
     if evaluating and any(i.writes):
         raise DataDependent(f"{i.name}: in evaluation the devices' saved statistics are empty")
@@ -144,6 +145,9 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
 _META_DIFFERS = {"_embedding_bag": "include_last_offset", "_embedding_bag_forward_only": "include_last_offset"}
 """Ops whose meta kernel infers other auxiliary shapes than the CPU/CUDA kernels when a flag is set: run as
 data-dependent (the peer's own shapes come back), never guessed."""
+
+_META_DIFFERS_1D = frozenset({"multi_margin_loss", "multilabel_margin_loss_forward"})
+"""... and ops whose meta kernel shapes a 0-d or 1-d input's results otherwise than the devices do."""
 
 _EVAL_STATS = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training"})
 """Batch norms whose saved mean and inverse std are empty on the devices when not training."""
