@@ -2,7 +2,8 @@
 
 A GRAPH message (see :mod:`ember.protocol.messages`) is validated and compiled
 into a tuple of steps ``(fn, arg_registers, out_registers, kwargs, name,
-tensor_registers, error)``: the op's callable is looked up once, the keyword
+tensor_registers, error)``: the op's callable is looked up once (an ATen call's
+template bound once, :mod:`ember.server.execute.bound`), the keyword
 arguments are converted once (dtype names to backend dtypes, axis lists to
 tuples) into a private copy that replays never mutate. The interpreter runs
 the steps over a register file (:meth:`Interpreter.replay`).
@@ -24,6 +25,7 @@ from ...protocol import codec
 from ...protocol import messages as m
 from ...protocol.codec import safe_repr
 from .backends import Backend
+from .bound import lower
 from .confine import kwargs_fault, scalar_fault
 
 Step = tuple[Any, tuple[int, ...], tuple[int, ...], "dict[str, Any] | None", str, tuple[int, ...],
@@ -116,7 +118,10 @@ def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend:
             if bad is not None:
                 err = TypeError(bad)
         tregs = tuple(r for r in regs if not n_in <= r < first_out)
-        steps.append((table.get(name), tuple(regs), tuple(range(reg, reg + nouts)), kw, name, tregs, err))
+        fn = table.get(name)
+        if err is None:  # an ATen call: its template bound once (server/execute/bound.py)
+            fn = lower(fn, kw) or fn
+        steps.append((fn, tuple(regs), tuple(range(reg, reg + nouts)), kw, name, tregs, err))
         reg += nouts
     for r in kept:
         _int(r, "a kept register", first_out, reg)
