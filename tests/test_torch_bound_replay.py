@@ -41,13 +41,13 @@ def test_a_bound_step_checks_each_replays_storages_and_poisons_what_it_cannot_ru
     add_ = {"a": [0, 0, 1], "l": [LAY, LAY], "o": []}  # writes its first operand (input register 0)
     it.run_batch([[m.GRAPH, 1, 2, [[1]], [["aten.add.Tensor", [2, 0, 1], 1, add]], [3], []],
                   [m.GRAPH, 2, 2, [[1]], [["aten.add_.Tensor", [2, 0, 1], 0, add_]], [], []]])
-    assert all(type(s[0]) is BoundAten for g in (1, 2) for s in it.graphs.peek(g).steps)
     it.run_batch([[m.REPLAY, 1, [1, 2], [10], []],
                   [m.REPLAY, 1, [1, 3], [11], []],    # an 8-byte storage bound where the layout needs 64
                   [m.REPLAY, 1, [3, 2], [12], []],
                   [m.REPLAY, 1, [1, 4], [13], []],    # back to a storage that holds the layout
                   [m.REPLAY, 2, [3, 2], [], []],      # written in place: the too-small storage is poisoned
                   [m.REPLAY, 2, [4, 2], [], []]])
+    assert all(type(s[0]) is BoundAten for g in (1, 2) for s in it.graphs.peek(g).steps)  # bound at first replay
     assert floats(it.tensors[10]) == [i + 2.0 for i in range(16)]
     for tid in (11, 12):
         assert tid not in it.tensors and "reaches byte 64 of a storage of 8 bytes" in it.poison[tid].error["message"]

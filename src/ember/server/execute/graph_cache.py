@@ -3,7 +3,7 @@
 A GRAPH message (see :mod:`ember.protocol.messages`) is validated and compiled
 into a tuple of steps ``(fn, arg_registers, out_registers, kwargs, name,
 tensor_registers, error)``: the op's callable is looked up once (an ATen call's
-template bound once, :mod:`ember.server.execute.bound`), the keyword
+template bound once, at the first replay: :mod:`ember.server.execute.bound`), the keyword
 arguments are converted once (dtype names to backend dtypes, axis lists to
 tuples) into a private copy that replays never mutate. The interpreter runs
 the steps over a register file (:meth:`Interpreter.replay`).
@@ -40,7 +40,7 @@ MAX_CACHE_BYTES = 64 << 20
 
 class CompiledGraph:
     __slots__ = ("gid", "n_in", "scalars", "n_s", "steps", "kept", "consumed", "n_reg", "n_ops", "wire_bytes",
-                 "replay_bytes", "saved", "nbytes")
+                 "replay_bytes", "saved", "nbytes", "bound")
 
     def __init__(self, gid: int, n_in: int, scalars: list[Any], steps: tuple[Step, ...], kept: tuple[int, ...],
                  consumed: tuple[int, ...], n_reg: int, nbytes: int = 0) -> None:
@@ -57,6 +57,12 @@ class CompiledGraph:
         self.wire_bytes = 0    # the GRAPH message's size (set by compile_graph)
         self.replay_bytes = 0  # a REPLAY's size, estimated (ids as 32-bit ints, no scalar overrides)
         self.saved = 0         # wire bytes one replay saves against sending the ops one by one
+        self.bound = False     # ATen steps bound (at the first replay: a graph never replayed costs nothing more)
+
+    def bind(self) -> None:
+        """Bind each ATen step's template once (:mod:`ember.server.execute.bound`); the rest stay as compiled."""
+        self.steps = tuple((lower(s[0], s[3]) or s[0],) + s[1:] if s[6] is None else s for s in self.steps)
+        self.bound = True
 
 
 def _sizes(g: CompiledGraph, msg: list[Any]) -> None:
@@ -118,10 +124,7 @@ def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend:
             if bad is not None:
                 err = TypeError(bad)
         tregs = tuple(r for r in regs if not n_in <= r < first_out)
-        fn = table.get(name)
-        if err is None:  # an ATen call: its template bound once (server/execute/bound.py)
-            fn = lower(fn, kw) or fn
-        steps.append((fn, tuple(regs), tuple(range(reg, reg + nouts)), kw, name, tregs, err))
+        steps.append((table.get(name), tuple(regs), tuple(range(reg, reg + nouts)), kw, name, tregs, err))
         reg += nouts
     for r in kept:
         _int(r, "a kept register", first_out, reg)
