@@ -2,7 +2,8 @@
 
 A GRAPH message (see :mod:`ember.protocol.messages`) is validated and compiled
 into a tuple of steps ``(fn, arg_registers, out_registers, kwargs, name,
-tensor_registers, error)``: the op's callable is looked up once, the keyword
+tensor_registers, error)``: the op's callable is looked up once (an ATen call's
+template bound once, at the first replay: :mod:`ember.server.execute.bound`), the keyword
 arguments are converted once (dtype names to backend dtypes, axis lists to
 tuples) into a private copy that replays never mutate. The interpreter runs
 the steps over a register file (:meth:`Interpreter.replay`).
@@ -24,6 +25,7 @@ from ...protocol import codec
 from ...protocol import messages as m
 from ...protocol.codec import safe_repr
 from .backends import Backend
+from .bound import lower
 from .confine import kwargs_fault, scalar_fault
 
 Step = tuple[Any, tuple[int, ...], tuple[int, ...], "dict[str, Any] | None", str, tuple[int, ...],
@@ -38,7 +40,7 @@ MAX_CACHE_BYTES = 64 << 20
 
 class CompiledGraph:
     __slots__ = ("gid", "n_in", "scalars", "n_s", "steps", "kept", "consumed", "n_reg", "n_ops", "wire_bytes",
-                 "replay_bytes", "saved", "nbytes")
+                 "replay_bytes", "saved", "nbytes", "bound")
 
     def __init__(self, gid: int, n_in: int, scalars: list[Any], steps: tuple[Step, ...], kept: tuple[int, ...],
                  consumed: tuple[int, ...], n_reg: int, nbytes: int = 0) -> None:
@@ -55,6 +57,12 @@ class CompiledGraph:
         self.wire_bytes = 0    # the GRAPH message's size (set by compile_graph)
         self.replay_bytes = 0  # a REPLAY's size, estimated (ids as 32-bit ints, no scalar overrides)
         self.saved = 0         # wire bytes one replay saves against sending the ops one by one
+        self.bound = False     # ATen steps bound (at the first replay: a graph never replayed costs nothing more)
+
+    def bind(self) -> None:
+        """Bind each ATen step's template once (:mod:`ember.server.execute.bound`); the rest stay as compiled."""
+        self.steps = tuple((lower(s[0], s[3]) or s[0],) + s[1:] if s[6] is None else s for s in self.steps)
+        self.bound = True
 
 
 def _sizes(g: CompiledGraph, msg: list[Any]) -> None:

@@ -199,6 +199,8 @@ class GraphReplay:
         if len(ins) != n_in or len(outs) != len(g.kept) or len(scal) % 2:
             raise ProtocolError(f"Replay of graph {gid} binds {len(ins)} inputs and {len(outs)} outputs; "
                                 f"the graph has {n_in} and {len(g.kept)}")
+        if not g.bound:
+            g.bind()
         self.graph_hits += 1
         self.replayed_ops += g.n_ops
         self.graph_saved += g.saved
