@@ -24,7 +24,7 @@ SUBSET = ("abs", "add", "mul", "exp", "where", "cat", "sum", "amax", "cumsum", "
           "sgn", "linalg.inv", "linalg.solve", "linalg.cholesky", "linalg.qr", "linalg.eigh", "linalg.lstsq",
           "triangular_solve", "geqrf", "fft.ifft", "fft.rfft", "as_strided_copy", "as_strided_scatter",
           "nn.functional.embedding_bag", "nn.functional.multi_margin_loss", "matmul", "addmm",
-          "nn.functional.conv2d", "softmax", "clamp", "sort")
+          "nn.functional.conv2d", "softmax", "clamp", "sort", "to")
 _DB = {op.name: op for op in O.op_db()}
 
 

@@ -87,6 +87,8 @@ def _on_its_device(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> An
     """``clone``, ``_to_copy``: torch's own composite, with its ``empty_strided`` on the operand's
     Ember device (not the current one; on torch's autograd thread the current one is a guess)."""
     composite = torch._C.DispatchKey.CompositeExplicitAutograd
+    if kwargs.get("non_blocking"):  # torch would pin a CPU destination: a copy from ember is one read and
+        kwargs["non_blocking"] = False  # one to ember is ordered in the batch anyway, so it blocks no more
     if self.device.type != "ember":  # CPU -> ember: the target is the current device, as before
         return op._op_dk(composite, self, *args, **kwargs)
     with ref_of(self).device:  # (the innermost `with dev:` is where factory ops run)
