@@ -20,7 +20,7 @@ from ember.protocol import messages as m
 from ember.server import Server
 from ember.transport.base import available_memory, receive_buffer
 
-from test_memory_budgets import answers, raw_session
+from test_memory_budgets import answers, raw_session, wait_until
 
 MiB = 1 << 20
 
@@ -251,3 +251,25 @@ def test_connections_before_login_hold_a_few_kib():
         d.close()
     finally:
         tcp.close()
+
+
+def test_orphaned_work_stops_and_counts_until_gone():
+    """Item 11: a client queues long work and drops the connection: the work stops between ops, and the
+    session counts against its client until its worker is gone."""
+    srv = Server(["cpu"], memory_limit="64MiB", session_memory="32MiB", max_sessions_per_client=2)
+    srv.listen_websocket("127.0.0.1", 0)
+    addr = srv.start_in_thread()[0]
+    try:
+        ws, _ = raw_session(addr)
+        ws.send(msgpack.packb([[m.OP, "ones", [], 0, [1], {"shape": [400, 400], "dtype": "float64"}]]
+                              + [[m.OP, "matmul", [1, 1], 0, [2 + i % 4], None] for i in range(16000)]))
+        assert wait_until(lambda: srv.live and next(iter(srv.live)).interp.ops_run >= 0, 10)
+        time.sleep(0.2)  # the worker is in the middle of the batch
+        ws.close()
+        t0 = time.monotonic()
+        assert wait_until(lambda: not srv.live, 20), "the orphaned worker kept computing"
+        assert time.monotonic() - t0 < 10  # (16,000 matmuls of 400x400 take over a minute)
+        assert wait_until(lambda: not srv.admission.per_client, 10)
+        canary(srv)
+    finally:
+        srv.close()

@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -71,6 +71,7 @@ class Session:
         self.outbox: asyncio.Queue[Any] = asyncio.Queue()  # frames, (data-frame stream, bytes), None
         self.inbox: queue.SimpleQueue[tuple[list[list[Any]], float, int] | None] = queue.SimpleQueue()
         self.alive = True
+        self.on_gone: Callable[[], None] | None = None  # on the loop, once the worker has stopped
         self.sending = False  # a frame is being sent (by the sender task, or inline by the pump)
         self.queued = 0  # batches handed to the worker (written by the loop)
         self.done = 0    # batches the worker finished (written by the worker)
@@ -180,6 +181,12 @@ class Session:
         self.server.live.discard(self)
         if self.mem.peak >= 1 << 20 or not self.server.live:
             give_back_freed(force=not self.server.live)
+        gone = self.on_gone
+        if gone is not None:  # the session counted against its client until now
+            try:
+                self.loop.call_soon_threadsafe(gone)
+            except RuntimeError:  # the loop is closed: the server is gone too
+                pass
 
     def _upload(self, msg: list[Any], out: list[list[Any]]) -> None:
         """UPLOAD with lanes agreed: nil bytes mean they come on the lanes (``server.lanes``)."""
@@ -251,6 +258,7 @@ class Session:
 
     def stop(self) -> None:
         self.alive = False
+        self.interp.cancelled = True
         self.inbox.put(None)
         if self.lanes is not None:
             self.lanes.stop()
@@ -436,9 +444,9 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
         if reaper is not None:
             reaper.cancel()
         reason, why = session.end
+        session.on_gone = lambda: server.admission.closed(identity)  # once its worker stops
         session.stop()
         server.sessions.pop(session.session_id, None)
-        server.admission.closed(identity)
         session.outbox.put_nowait(None)
         try:
             await asyncio.wait_for(sender, 5.0)

@@ -130,6 +130,7 @@ class Interpreter(GraphReplay, Holdings):
             self.op, self.upload, self.drop, self.read, self.sync, self.custom, self.close, self.sync,
             self.shape, self.graph, self.replay, None, None, None, None, None)
         self.ops_run = 0
+        self.cancelled = False  # set from the loop when the session ends (read between ops)
         self.probe, self.label = OFF, ""  # telemetry (server/telemetry/probe.py): the session sets both
         self.graph_hits = self.graph_misses = self.replayed_ops = self.graph_saved = 0
         lim = self.mem.limit or self.mem.device.limit  # graphs may hold a quarter of the budget at most
@@ -209,6 +210,8 @@ class Interpreter(GraphReplay, Holdings):
         self.mem.settle()  # releases other threads queued (exposures used up elsewhere)
         handlers, run_op = self.handlers, self.op
         for msg in batch:
+            if self.cancelled:  # the session ended: its queued work stops between ops
+                break
             kind = msg[0]
             try:
                 if kind == m.OP:
