@@ -273,3 +273,30 @@ def test_orphaned_work_stops_and_counts_until_gone():
         canary(srv)
     finally:
         srv.close()
+
+
+def test_attribute_path_aten_names_are_refused_without_a_traceback_flood():
+    """Item 12: ``aten.__class__.__init__`` with metrics on: refused each time, logged at most once."""
+    import io
+    import logging
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    logging.getLogger("ember").addHandler(handler)
+    srv = Server(["torch:cpu"])
+    srv.listen_websocket("127.0.0.1", 0)
+    srv.listen_metrics("127.0.0.1", 0)
+    addr = srv.start_in_thread()[0]
+    try:
+        ws = ws_connect(addr, max_size=None)
+        ws.send(codec.encode_hello(session_id=os.urandom(16), device=0, features=[]))
+        assert msgpack.unpackb(ws.recv(timeout=10))["type"] == "welcome"
+        for i in range(100):
+            got = run(ws, [[m.OP, "aten.__class__.__init__", [[]], 1, [2], {"a": [], "l": [], "o": []}],
+                           [m.SHAPE, 5 + i, 2]], 5 + i)
+            assert got[-1][1] == m.ERROR
+        ws.close()
+        canary(srv)
+    finally:
+        srv.close()
+        logging.getLogger("ember").removeHandler(handler)
+    assert "Traceback" not in buf.getvalue() and len(buf.getvalue()) < 4096
