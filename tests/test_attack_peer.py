@@ -300,3 +300,37 @@ def test_attribute_path_aten_names_are_refused_without_a_traceback_flood():
         srv.close()
         logging.getLogger("ember").removeHandler(handler)
     assert "Traceback" not in buf.getvalue() and len(buf.getvalue()) < 4096
+
+
+def test_one_client_cannot_fill_the_exposure_table():
+    """Item 10: EXPOSE of an id the session does not hold is refused; one client's sessions together
+    hold at most a quarter of the server's table; another tenant's MOVE still works."""
+    srv = Server(["cpu", "cpu"], memory_limit="64MiB", session_memory="32MiB")
+    srv.listen_websocket("127.0.0.1", 0)
+    addr = srv.start_in_thread()[0]
+    hub = srv.transfers
+    try:
+        ws, _ = raw_session(addr)
+        ws.send(msgpack.packb([[m.EXPOSE, 99, os.urandom(32), None, 1, 3600.0]]))
+        assert run(ws, [[m.SYNC, 1]], 1)[-1][1] == m.OK
+        assert hub.exposed_count() == 0  # unknown id: nothing exposed
+        sessions = []
+        for k in range(8):  # 8 sessions x 256 exposures of a real tensor, TTL an hour
+            w, _ = raw_session(addr)
+            batch = [[m.OP, "zeros", [], 0, [1], {"shape": [1], "dtype": "float64"}]]
+            batch += [[m.EXPOSE, 1, os.urandom(32), None, 1, 3600.0] for _ in range(256)]
+            assert run(w, batch + [[m.SYNC, 2]], 2)[-1][1] == m.OK
+            sessions.append(w)
+        assert hub.exposed_count() <= hub.per_client <= hub.max_entries // 4 + 256
+        assert hub.max_entries - hub.exposed_count() >= hub.max_entries // 2  # room for other clients
+        for w in sessions[:4]:  # (on loopback every client is one address: free some of its share)
+            w.close()
+        assert wait_until(lambda: hub.exposed_count() <= hub.per_client - 256, 10)
+        d0, d1 = ember.connect(addr, device=0), ember.connect(addr, device=1)
+        assert xp.arange(5, device=d0).to_device(d1).to_numpy().tolist() == [0, 1, 2, 3, 4]
+        d0.close(), d1.close()
+        for w in sessions[4:]:
+            w.close()
+        ws.close()
+    finally:
+        srv.close()

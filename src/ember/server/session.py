@@ -97,6 +97,7 @@ class Session:
         self.interp.on_fatal = self._on_fatal
         self.transfer_ops = TransferOps(self.interp, server.transfers, loop, server.limits["max_frame"],
                                         max_wait=self.limits.max_wait)
+        self.transfer_ops.client = identity
         self.interp.enable_transfers(self.transfer_ops)
         self.features = codec.agreed_features(hello.get("features"))
         self.data = m.DATA_FEATURE in self.features
