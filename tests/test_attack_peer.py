@@ -334,3 +334,17 @@ def test_one_client_cannot_fill_the_exposure_table():
         ws.close()
     finally:
         srv.close()
+
+
+def test_poisoned_ids_are_bounded(peer):
+    """Item 9: 40,000 failing ops keep at most MAX_POISON errors; the latest still reads back its error."""
+    from ember.server.execute.holdings import MAX_POISON
+    ws, _ = raw_session(peer.addresses[0])
+    for k in range(4):
+        ws.send(msgpack.packb([[m.OP, "add", [10 ** 6 + i, 1], 0, [k * 10_000 + i], None] for i in range(10_000)]))
+    got = run(ws, [[m.READ, 7, 39_999]], 7)
+    assert "unknown" in error_of(got, 7)
+    (sess,) = peer.sessions.values()
+    assert len(sess.interp.poison) <= MAX_POISON
+    ws.close()
+    canary(peer)
