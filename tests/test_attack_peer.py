@@ -348,3 +348,43 @@ def test_poisoned_ids_are_bounded(peer):
     assert len(sess.interp.poison) <= MAX_POISON
     ws.close()
     canary(peer)
+
+
+def test_unread_answers_stop_the_reading():
+    """Item 7: a client sends a million lone PINGs and never reads: the peer queues at most MAX_UNSENT
+    answers, then stops reading that session; a canary is served meanwhile."""
+    import socket
+    from ember.server.session import MAX_UNSENT
+    from ember.transport.tcp import PREAMBLE
+    srv = Server(["cpu"], memory_limit="64MiB", session_memory="32MiB")
+    srv.listen_tcp("127.0.0.1", 0)
+    addr = [a for a in srv.start_in_thread() if a.startswith("tcp://")][0]
+    try:
+        host, port = addr[len("tcp://"):].rsplit(":", 1)
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        s.connect((host, int(port)))
+        hello = codec.encode_hello(session_id=os.urandom(16), device=0, features=[])
+        s.sendall(PREAMBLE + len(hello).to_bytes(4, "big") + hello)
+        ping = msgpack.packb([[m.PING, 1]])
+        blob = (len(ping).to_bytes(4, "big") + ping) * 1_000_000
+        s.settimeout(4)
+        sent = 0
+        try:
+            while sent < len(blob):
+                sent += s.send(blob[sent:sent + (1 << 20)])
+        except socket.timeout:
+            pass  # the peer stopped reading: the point
+        assert wait_until(lambda: srv.sessions, 10)
+        (sess,) = srv.sessions.values()
+        worst = 0
+        for _ in range(20):
+            worst = max(worst, sess.outbox.qsize())
+            time.sleep(0.02)
+        assert worst <= MAX_UNSENT + 64, worst
+        d = ember.connect(addr)
+        assert float(xp.sum(xp.arange(10, device=d))) == 45
+        d.close()
+        s.close()
+    finally:
+        srv.close()

@@ -467,9 +467,13 @@ async def _pump(server: SessionHost, session: Session) -> None:
     conn, limits, sender = session.conn, session.limits, session.sender
     assert sender is not None
     max_frame = server.limits["max_frame"] + 4096
+    window, outbox = limits.stage_window, session.outbox
     while not sender.done() and session.alive:
         if session.inflight() > limits.max_inflight:
             await _wait_for_worker(session)
+            continue
+        if outbox.qsize() > MAX_UNSENT or session.staged > window:  # a client that does not read its answers
+            await _wait_for_sender(session, window)
             continue
         frame = await conn.recv()
         if frame is None or not session.alive:
@@ -532,6 +536,19 @@ async def _end_when_silent(session: Session, timeout: float) -> None:
             except Exception:  # noqa: BLE001 - a broken connection is what we are ending
                 pass
             return
+
+
+#: Answers queued for the network, at most, before the pump stops reading that session's requests.
+MAX_UNSENT = 1024
+
+
+async def _wait_for_sender(session: Session, window: int) -> None:
+    """The client does not read its answers: read nothing more from it until they have left."""
+    delay = 0.001
+    while session.alive and session.sender is not None and not session.sender.done() and \
+            (session.outbox.qsize() > MAX_UNSENT or session.staged > window):
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 async def _wait_for_worker(session: Session) -> None:
