@@ -388,3 +388,24 @@ def test_unread_answers_stop_the_reading():
         s.close()
     finally:
         srv.close()
+
+
+def test_uploads_held_by_a_graph_stall_are_bounded(peer):
+    """Item 6: a REPLAY of an unknown graph, then uploads that are never run: past MAX_STALLED_BYTES
+    the session ends with the reason (it held 1.4 GB before); the canary is served."""
+    from ember.server.execute.replay import MAX_STALLED_BYTES
+    ws, _ = raw_session(peer.addresses[0])
+    ws.send(msgpack.packb([[m.REPLAY, 12345, [], [], []]]))
+    assert msgpack.unpackb(ws.recv(timeout=10))[0][1] == m.NEED_GRAPH
+    chunk = b"\0" * (8 * MiB)
+    why = None
+    try:
+        for k in range(MAX_STALLED_BYTES // len(chunk) + 4):
+            ws.send(msgpack.packb([[m.UPLOAD, 100 + k, "uint8", [len(chunk)], 0, chunk, len(chunk)]]))
+        why = msgpack.unpackb(ws.recv(timeout=20))[0][2]["message"]
+    except Exception:  # noqa: BLE001 - the session may end before the last send
+        pass
+    assert wait_until(lambda: not peer.sessions, 6)  # (before the 10 s stall timeout would end it)
+    assert why is None or "graph 12345" in why
+    ws.close()
+    canary(peer)

@@ -138,6 +138,7 @@ class Interpreter(GraphReplay, Holdings):
                                  max_bytes=min(MAX_CACHE_BYTES, lim // 4) if lim else MAX_CACHE_BYTES)
         self._stalled: list[list[Any]] | None = None  # REPLAY of an unknown graph + everything after it
         self._stall_gid: Any = None
+        self._stalled_bytes = 0  # upload bytes held meanwhile (bounded by replay.MAX_STALLED_BYTES)
 
     def enable_transfers(self, ops: Any) -> None:
         """Route EXPOSE / FETCH / MOVE to ``ops`` (a ``transfer.TransferOps``)."""
@@ -229,7 +230,7 @@ class Interpreter(GraphReplay, Holdings):
                     h(msg, out)
             except NeedGraph as e:  # hold this REPLAY and all after it until the client re-sends the graph
                 i = next(i for i, x in enumerate(batch) if x is msg)
-                self._stalled, self._stall_gid = batch[i:], e.gid
+                self._stalled, self._stall_gid, self._stalled_bytes = batch[i:], e.gid, 0
                 out.append([0, m.NEED_GRAPH, e.gid])
                 self.graph_misses += 1
                 self.probe.graph_missed(self.label, e.gid)
