@@ -57,13 +57,11 @@ def refusal(name: str) -> str | None:
 
 
 def _overload(op: str, overload: str) -> Any:
-    if op.startswith("__") or overload.startswith("__"):  # never a Python attribute path (aten.__class__...)
-        return None
     try:
         r = getattr(getattr(torch.ops.aten, op), overload)
     except (AttributeError, RuntimeError):
         return None
-    return r if isinstance(r, torch._ops.OpOverload) else None
+    return r if isinstance(r, torch._ops.OpOverload) else None  # (aten.__class__.__init__ is a Python attribute)
 
 
 def _literal_ok(t: str, v: Any) -> bool:
