@@ -268,9 +268,10 @@ class Interpreter(GraphReplay, Holdings):
         try:
             if smask:
                 vals = [a if smask >> i & 1 else t[a] for i, a in enumerate(args)]
-                bad = scalar_fault(args, smask, self.backend.dtypes)
-                if bad is not None:
-                    raise TypeError(bad)
+                if not self._aten:  # (torch makes no object tensors; the ATen table checks its own scalars)
+                    bad = scalar_fault(args, smask, self.backend.dtypes)
+                    if bad is not None:
+                        raise TypeError(bad)
             else:
                 vals = [t[a] for a in args]
             fn = self.table[name]
