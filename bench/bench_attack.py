@@ -197,10 +197,28 @@ def p4_pre_auth(addr: str) -> str:
     return f"30 x 64 MiB length prefixes + 300 idle TCP connections before login: {open_} still open after 1 s"
 
 
+def p11_orphans(addr: str) -> str:
+    socks = []
+    for _ in range(3):  # 3 sessions, each a batch of 16,000 matmuls of 300x300, then the client drops
+        ws = raw(addr)
+        ws.send(msgpack.packb([[m.OP, "ones", [], 0, [1], {"shape": [300, 300], "dtype": "float64"}]]
+                              + [[m.OP, "matmul", [1, 1], 0, [2 + i % 4], None] for i in range(16000)]))
+        socks.append(ws)
+    time.sleep(0.5)
+    for ws in socks:
+        ws.close()
+    t0 = time.monotonic()
+    while SERVER[0].live and time.monotonic() - t0 < 60:
+        time.sleep(0.05)
+    left = len(SERVER[0].live)
+    return f"3 dropped sessions with 16,000 queued matmuls: workers gone after {time.monotonic() - t0:.1f} s ({left} left)"
+
+
 TCP: list = []
+SERVER: list = []
 PROBES = [("4 pre-auth memory", p4_pre_auth), ("1 freed data", p1_freed), ("2 object arrays", p2_objects), ("3 huge SYNC frame", p3_sync_frame),
           ("5 graph scalars", p5_graph_scalars), ("8 broadcast views", p8_broadcast), ("8 ATen outputs", p8_aten),
-          ("13 refused read", p13_refused_read)]
+          ("11 orphaned work", p11_orphans), ("13 refused read", p13_refused_read)]
 
 
 #: The attack frames, packed before any probe runs (the client shares the peer's process and RSS).
@@ -219,6 +237,7 @@ def main() -> None:
     addrs = srv.start_in_thread()
     addr = addrs[0]
     TCP[:] = [a for a in addrs if a.startswith("tcp://")]
+    SERVER[:] = [srv]
     print(f"ember from {os.path.dirname(ember.__file__)}; budget: device 64 MiB, session 32 MiB")
     try:
         for label, probe in PROBES:

@@ -20,7 +20,7 @@ from ember.protocol import messages as m
 from ember.server import Server
 from ember.transport.base import available_memory, receive_buffer
 
-from test_memory_budgets import answers, raw_session
+from test_memory_budgets import answers, raw_session, wait_until
 
 MiB = 1 << 20
 
@@ -251,3 +251,161 @@ def test_connections_before_login_hold_a_few_kib():
         d.close()
     finally:
         tcp.close()
+
+
+def test_orphaned_work_stops_and_counts_until_gone():
+    """Item 11: a client queues long work and drops the connection: the work stops between ops, and the
+    session counts against its client until its worker is gone."""
+    srv = Server(["cpu"], memory_limit="64MiB", session_memory="32MiB", max_sessions_per_client=2)
+    srv.listen_websocket("127.0.0.1", 0)
+    addr = srv.start_in_thread()[0]
+    try:
+        ws, _ = raw_session(addr)
+        ws.send(msgpack.packb([[m.OP, "ones", [], 0, [1], {"shape": [400, 400], "dtype": "float64"}]]
+                              + [[m.OP, "matmul", [1, 1], 0, [2 + i % 4], None] for i in range(16000)]))
+        assert wait_until(lambda: srv.live and next(iter(srv.live)).interp.ops_run >= 0, 10)
+        time.sleep(0.2)  # the worker is in the middle of the batch
+        ws.close()
+        t0 = time.monotonic()
+        assert wait_until(lambda: not srv.live, 20), "the orphaned worker kept computing"
+        assert time.monotonic() - t0 < 10  # (16,000 matmuls of 400x400 take over a minute)
+        assert wait_until(lambda: not srv.admission.per_client, 10)
+        canary(srv)
+    finally:
+        srv.close()
+
+
+def test_attribute_path_aten_names_are_refused_without_a_traceback_flood():
+    """Item 12: ``aten.__class__.__init__`` with metrics on: refused each time, logged at most once."""
+    import io
+    import logging
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    logging.getLogger("ember").addHandler(handler)
+    srv = Server(["torch:cpu"])
+    srv.listen_websocket("127.0.0.1", 0)
+    srv.listen_metrics("127.0.0.1", 0)
+    addr = srv.start_in_thread()[0]
+    try:
+        ws = ws_connect(addr, max_size=None)
+        ws.send(codec.encode_hello(session_id=os.urandom(16), device=0, features=[]))
+        assert msgpack.unpackb(ws.recv(timeout=10))["type"] == "welcome"
+        for i in range(100):
+            got = run(ws, [[m.OP, "aten.__class__.__init__", [[]], 1, [2], {"a": [], "l": [], "o": []}],
+                           [m.SHAPE, 5 + i, 2]], 5 + i)
+            assert got[-1][1] == m.ERROR
+        ws.close()
+        canary(srv)
+    finally:
+        srv.close()
+        logging.getLogger("ember").removeHandler(handler)
+    assert "Traceback" not in buf.getvalue() and len(buf.getvalue()) < 4096
+
+
+def test_one_client_cannot_fill_the_exposure_table():
+    """Item 10: EXPOSE of an id the session does not hold is refused; one client's sessions together
+    hold at most a quarter of the server's table; another tenant's MOVE still works."""
+    srv = Server(["cpu", "cpu"], memory_limit="64MiB", session_memory="32MiB")
+    srv.listen_websocket("127.0.0.1", 0)
+    addr = srv.start_in_thread()[0]
+    hub = srv.transfers
+    try:
+        ws, _ = raw_session(addr)
+        ws.send(msgpack.packb([[m.EXPOSE, 99, os.urandom(32), None, 1, 3600.0]]))
+        assert run(ws, [[m.SYNC, 1]], 1)[-1][1] == m.OK
+        assert hub.exposed_count() == 0  # unknown id: nothing exposed
+        sessions = []
+        for k in range(8):  # 8 sessions x 256 exposures of a real tensor, TTL an hour
+            w, _ = raw_session(addr)
+            batch = [[m.OP, "zeros", [], 0, [1], {"shape": [1], "dtype": "float64"}]]
+            batch += [[m.EXPOSE, 1, os.urandom(32), None, 1, 3600.0] for _ in range(256)]
+            assert run(w, batch + [[m.SYNC, 2]], 2)[-1][1] == m.OK
+            sessions.append(w)
+        assert hub.exposed_count() <= hub.per_client <= hub.max_entries // 4 + 256
+        assert hub.max_entries - hub.exposed_count() >= hub.max_entries // 2  # room for other clients
+        for w in sessions[:4]:  # (on loopback every client is one address: free some of its share)
+            w.close()
+        assert wait_until(lambda: hub.exposed_count() <= hub.per_client - 256, 10)
+        d0, d1 = ember.connect(addr, device=0), ember.connect(addr, device=1)
+        assert xp.arange(5, device=d0).to_device(d1).to_numpy().tolist() == [0, 1, 2, 3, 4]
+        d0.close(), d1.close()
+        for w in sessions[4:]:
+            w.close()
+        ws.close()
+    finally:
+        srv.close()
+
+
+def test_poisoned_ids_are_bounded(peer):
+    """Item 9: 40,000 failing ops keep at most MAX_POISON errors; the latest still reads back its error."""
+    from ember.server.execute.holdings import MAX_POISON
+    ws, _ = raw_session(peer.addresses[0])
+    for k in range(4):
+        ws.send(msgpack.packb([[m.OP, "add", [10 ** 6 + i, 1], 0, [k * 10_000 + i], None] for i in range(10_000)]))
+    got = run(ws, [[m.READ, 7, 39_999]], 7)
+    assert "unknown" in error_of(got, 7)
+    (sess,) = peer.sessions.values()
+    assert len(sess.interp.poison) <= MAX_POISON
+    ws.close()
+    canary(peer)
+
+
+def test_unread_answers_stop_the_reading():
+    """Item 7: a client sends a million lone PINGs and never reads: the peer queues at most MAX_UNSENT
+    answers, then stops reading that session; a canary is served meanwhile."""
+    import socket
+    from ember.server.session import MAX_UNSENT
+    from ember.transport.tcp import PREAMBLE
+    srv = Server(["cpu"], memory_limit="64MiB", session_memory="32MiB")
+    srv.listen_tcp("127.0.0.1", 0)
+    addr = [a for a in srv.start_in_thread() if a.startswith("tcp://")][0]
+    try:
+        host, port = addr[len("tcp://"):].rsplit(":", 1)
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        s.connect((host, int(port)))
+        hello = codec.encode_hello(session_id=os.urandom(16), device=0, features=[])
+        s.sendall(PREAMBLE + len(hello).to_bytes(4, "big") + hello)
+        ping = msgpack.packb([[m.PING, 1]])
+        blob = (len(ping).to_bytes(4, "big") + ping) * 1_000_000
+        s.settimeout(4)
+        sent = 0
+        try:
+            while sent < len(blob):
+                sent += s.send(blob[sent:sent + (1 << 20)])
+        except socket.timeout:
+            pass  # the peer stopped reading: the point
+        assert wait_until(lambda: srv.sessions, 10)
+        (sess,) = srv.sessions.values()
+        worst = 0
+        for _ in range(20):
+            worst = max(worst, sess.outbox.qsize())
+            time.sleep(0.02)
+        assert worst <= MAX_UNSENT + 64, worst
+        d = ember.connect(addr)
+        assert float(xp.sum(xp.arange(10, device=d))) == 45
+        d.close()
+        s.close()
+    finally:
+        srv.close()
+
+
+def test_uploads_held_by_a_graph_stall_are_bounded(peer):
+    """Item 6: a REPLAY of an unknown graph, then uploads that are never run: past MAX_STALLED_BYTES
+    the session ends with the reason (it held 1.4 GB before); the canary is served."""
+    from ember.server.execute.replay import MAX_STALLED_BYTES
+    ws, _ = raw_session(peer.addresses[0])
+    ws.send(msgpack.packb([[m.REPLAY, 12345, [], [], []]]))
+    assert msgpack.unpackb(ws.recv(timeout=10))[0][1] == m.NEED_GRAPH
+    chunk = b"\0" * (8 * MiB)
+    why = None
+    try:
+        for k in range(MAX_STALLED_BYTES // len(chunk) + 4):
+            ws.send(msgpack.packb([[m.UPLOAD, 100 + k, "uint8", [len(chunk)], 0, chunk, len(chunk)]]))
+        why = msgpack.unpackb(ws.recv(timeout=20))[0][2]["message"]
+    except Exception:  # noqa: BLE001 - the session may end before the last send
+        pass
+    assert wait_until(lambda: not peer.sessions, 6)  # (before the 10 s stall timeout would end it)
+    assert why is None or "graph 12345" in why
+    ws.close()
+    canary(peer)

@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -71,6 +71,7 @@ class Session:
         self.outbox: asyncio.Queue[Any] = asyncio.Queue()  # frames, (data-frame stream, bytes), None
         self.inbox: queue.SimpleQueue[tuple[list[list[Any]], float, int] | None] = queue.SimpleQueue()
         self.alive = True
+        self.on_gone: Callable[[], None] | None = None  # on the loop, once the worker has stopped
         self.sending = False  # a frame is being sent (by the sender task, or inline by the pump)
         self.queued = 0  # batches handed to the worker (written by the loop)
         self.done = 0    # batches the worker finished (written by the worker)
@@ -96,6 +97,7 @@ class Session:
         self.interp.on_fatal = self._on_fatal
         self.transfer_ops = TransferOps(self.interp, server.transfers, loop, server.limits["max_frame"],
                                         max_wait=self.limits.max_wait)
+        self.transfer_ops.client = identity
         self.interp.enable_transfers(self.transfer_ops)
         self.features = codec.agreed_features(hello.get("features"))
         self.data = m.DATA_FEATURE in self.features
@@ -180,6 +182,12 @@ class Session:
         self.server.live.discard(self)
         if self.mem.peak >= 1 << 20 or not self.server.live:
             give_back_freed(force=not self.server.live)
+        gone = self.on_gone
+        if gone is not None:  # the session counted against its client until now
+            try:
+                self.loop.call_soon_threadsafe(gone)
+            except RuntimeError:  # the loop is closed: the server is gone too
+                pass
 
     def _upload(self, msg: list[Any], out: list[list[Any]]) -> None:
         """UPLOAD with lanes agreed: nil bytes mean they come on the lanes (``server.lanes``)."""
@@ -251,6 +259,7 @@ class Session:
 
     def stop(self) -> None:
         self.alive = False
+        self.interp.cancelled = True
         self.inbox.put(None)
         if self.lanes is not None:
             self.lanes.stop()
@@ -436,9 +445,9 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
         if reaper is not None:
             reaper.cancel()
         reason, why = session.end
+        session.on_gone = lambda: server.admission.closed(identity)  # once its worker stops
         session.stop()
         server.sessions.pop(session.session_id, None)
-        server.admission.closed(identity)
         session.outbox.put_nowait(None)
         try:
             await asyncio.wait_for(sender, 5.0)
@@ -458,9 +467,13 @@ async def _pump(server: SessionHost, session: Session) -> None:
     conn, limits, sender = session.conn, session.limits, session.sender
     assert sender is not None
     max_frame = server.limits["max_frame"] + 4096
+    window, outbox = limits.stage_window, session.outbox
     while not sender.done() and session.alive:
         if session.inflight() > limits.max_inflight:
             await _wait_for_worker(session)
+            continue
+        if outbox.qsize() > MAX_UNSENT or session.staged > window:  # a client that does not read its answers
+            await _wait_for_sender(session, window)
             continue
         frame = await conn.recv()
         if frame is None or not session.alive:
@@ -523,6 +536,19 @@ async def _end_when_silent(session: Session, timeout: float) -> None:
             except Exception:  # noqa: BLE001 - a broken connection is what we are ending
                 pass
             return
+
+
+#: Answers queued for the network, at most, before the pump stops reading that session's requests.
+MAX_UNSENT = 1024
+
+
+async def _wait_for_sender(session: Session, window: int) -> None:
+    """The client does not read its answers: read nothing more from it until they have left."""
+    delay = 0.001
+    while session.alive and session.sender is not None and not session.sender.done() and \
+            (session.outbox.qsize() > MAX_UNSENT or session.staged > window):
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 async def _wait_for_worker(session: Session) -> None:

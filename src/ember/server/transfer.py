@@ -85,6 +85,8 @@ class TransferHub:
         self._announced: dict[bytes, float] = {}
         self._local: dict[bytes, Exposed] = {}
         self._owned: dict[Any, int] = {}
+        self._clients: dict[str, int] = {}  # entries per client (all its sessions): a quarter of the table at most
+        self.per_client = max(per_session, max_entries // 4)
         self._refused: dict[bytes, tuple[float, str]] = {}  # capability -> (until, why EXPOSE was refused)
 
     # ---- bookkeeping (under the lock) --------------------------------------------------
@@ -94,6 +96,12 @@ class TransferHub:
         if entry.owner is not None and n >= self.per_session:
             raise TransferError(f"this session already has {n} tensors exposed or moving; "
                                 "they are freed when used up, expired or when the session ends")
+        client = getattr(entry.owner, "client", None)
+        c = self._clients.get(client, 0)
+        if client is not None and c >= self.per_client:
+            raise TransferError(f"this client's sessions already have {c} tensors exposed or moving, the most one "
+                                "client may have on this peer; they are freed when used up, expired or when the "
+                                "sessions end")
         if len(self._exposed) + len(self._local) >= self.max_entries:
             raise TransferError(f"this peer already holds {self.max_entries} {what}; "
                                 "capabilities are freed when used up or expired")
@@ -102,6 +110,8 @@ class TransferHub:
             self._drop(old)
         table[key] = entry
         self._owned[entry.owner] = n + 1
+        if client is not None:
+            self._clients[client] = c + 1
         self._cond.notify_all()
 
     def _drop(self, e: Exposed) -> None:
@@ -110,6 +120,13 @@ class TransferHub:
             self._owned[e.owner] = n
         else:
             self._owned.pop(e.owner, None)
+        client = getattr(e.owner, "client", None)
+        if client is not None:
+            c = self._clients.get(client, 0) - 1
+            if c > 0:
+                self._clients[client] = c
+            else:
+                self._clients.pop(client, None)
         release_entry(e)
 
     def _purge(self) -> None:
@@ -468,6 +485,7 @@ class TransferOps:
         self.loop = loop
         self.max_frame = max_frame
         self.max_wait = max_wait
+        self.client: str | None = None  # the session's client identity (entries are capped per client)
 
     def _entry(self, tid: Any, peer: Any, downloads: Any, ttl: Any) -> Exposed:
         if peer is not None and not isinstance(peer, str):
@@ -483,7 +501,9 @@ class TransferOps:
         error, release = None, None
         if v is None:
             p = interp.poison.get(tid) if type(tid) is int else None
-            error = p.error["message"] if p else f"tensor {str(tid)[:40]} is unknown to the source session"
+            if p is None:  # an id it does not hold: nothing to expose, no entry to take a slot
+                raise TransferError(f"tensor {str(tid)[:40]} is unknown to this session: nothing to expose")
+            error = p.error["message"]
         else:  # the entry keeps the buffer alive: it stays charged to this session meanwhile
             key, n = interp._fp(v)
             interp.mem.hold(key, n, "an exposed tensor")

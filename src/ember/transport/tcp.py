@@ -153,6 +153,8 @@ class TcpConnection:
         self._trusted: asyncio.Event | None = asyncio.Event() if expect_preamble else None
         self._io = io
         self._q: asyncio.Queue = asyncio.Queue(maxsize=16)
+        self._big = 0  # large frames (>= _DIRECT bytes) queued, not yet taken by recv
+        self._taken = asyncio.Event()
         self._sink: DataSink | None = None
         self._lock = asyncio.Lock()
         self._closed = False
@@ -242,11 +244,16 @@ class TcpConnection:
                         self._trusted = None
                         self._grow_stage()
                     continue
+                while self._big:  # one large frame waits for the reader at most: no buffering below back-pressure
+                    self._taken.clear()
+                    await self._taken.wait()
                 frame = await self._read_data(n) if self._sink is not None else None
                 if frame is None:
                     buf = bytearray(n)
                     await self._read_into(memoryview(buf))
                     frame = buf
+                if len(frame) >= _DIRECT:
+                    self._big += 1
                 await self._put(frame)
         except asyncio.CancelledError:
             raise
@@ -291,6 +298,9 @@ class TcpConnection:
             if item is _EOF:
                 return None
             raise type(item)(str(item))
+        if len(item) >= _DIRECT:
+            self._big -= 1
+            self._taken.set()
         return item
 
     # -- sending -----------------------------------------------------------

@@ -57,9 +57,10 @@ def refusal(name: str) -> str | None:
 
 def _overload(op: str, overload: str) -> Any:
     try:
-        return getattr(getattr(torch.ops.aten, op), overload)
+        r = getattr(getattr(torch.ops.aten, op), overload)
     except (AttributeError, RuntimeError):
         return None
+    return r if isinstance(r, torch._ops.OpOverload) else None  # (aten.__class__.__init__ is a Python attribute)
 
 
 def _literal_ok(t: str, v: Any) -> bool:

@@ -22,6 +22,8 @@ from .sizes import THRESHOLD, declared_outputs, predict
 
 _ELEMENTWISE = ops.ELEMENTWISE
 _FOREIGN = "OUSVMm"  # NumPy kinds no device announces (objects, strings, voids, dates): never stored
+MAX_POISON = 1 << 14
+"""Poisoned ids one session keeps (each holds its error's text, ~600 bytes: 10 MB at most, uncharged)."""
 SMALL = THRESHOLD // 16
 """Operands below this many bytes cannot make an elementwise result worth reserving for."""
 
@@ -153,7 +155,7 @@ class Holdings:
         try:
             for o in outs:
                 self.forget(o)
-                if len(p) >= self.max_tensors:  # bounded: the oldest poisoned ids are forgotten first
+                if len(p) >= MAX_POISON or len(p) >= self.max_tensors:  # the oldest are forgotten first
                     del p[next(iter(p))]
                 p[o] = poison
         except TypeError:  # not a list of ids: nothing to poison

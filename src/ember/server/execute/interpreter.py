@@ -134,6 +134,7 @@ class Interpreter(GraphReplay, Holdings):
             self.op, self.upload, self.drop, self.read, self.sync, self.custom, self.close, self.sync,
             self.shape, self.graph, self.replay, None, None, None, None, None)
         self.ops_run = 0
+        self.cancelled = False  # set from the loop when the session ends (read between ops)
         self.probe, self.label = OFF, ""  # telemetry (server/telemetry/probe.py): the session sets both
         self.graph_hits = self.graph_misses = self.replayed_ops = self.graph_saved = 0
         lim = self.mem.limit or self.mem.device.limit  # graphs may hold a quarter of the budget at most
@@ -141,6 +142,7 @@ class Interpreter(GraphReplay, Holdings):
                                  max_bytes=min(MAX_CACHE_BYTES, lim // 4) if lim else MAX_CACHE_BYTES)
         self._stalled: list[list[Any]] | None = None  # REPLAY of an unknown graph + everything after it
         self._stall_gid: Any = None
+        self._stalled_bytes = 0  # upload bytes held meanwhile (bounded by replay.MAX_STALLED_BYTES)
 
     def enable_transfers(self, ops: Any) -> None:
         """Route EXPOSE / FETCH / MOVE to ``ops`` (a ``transfer.TransferOps``)."""
@@ -234,6 +236,8 @@ class Interpreter(GraphReplay, Holdings):
         self.mem.settle()  # releases other threads queued (exposures used up elsewhere)
         handlers, run_op = self.handlers, self.op
         for msg in batch:
+            if self.cancelled:  # the session ended: its queued work stops between ops
+                break
             kind = msg[0]
             try:
                 if kind == m.OP:
@@ -251,7 +255,7 @@ class Interpreter(GraphReplay, Holdings):
                     h(msg, out)
             except NeedGraph as e:  # hold this REPLAY and all after it until the client re-sends the graph
                 i = next(i for i, x in enumerate(batch) if x is msg)
-                self._stalled, self._stall_gid = batch[i:], e.gid
+                self._stalled, self._stall_gid, self._stalled_bytes = batch[i:], e.gid, 0
                 out.append([0, m.NEED_GRAPH, e.gid])
                 self.graph_misses += 1
                 self.probe.graph_missed(self.label, e.gid)
@@ -295,9 +299,10 @@ class Interpreter(GraphReplay, Holdings):
                     raise
                 vals = [a if smask >> i & 1 else t.get(a) for i, a in enumerate(args)]
             if smask:
-                bad = scalar_fault(args, smask, self.backend.dtypes)
-                if bad is not None:
-                    raise TypeError(bad)
+                if not self._aten:  # (torch makes no object tensors; the ATen table checks its own scalars)
+                    bad = scalar_fault(args, smask, self.backend.dtypes)
+                    if bad is not None:
+                        raise TypeError(bad)
             if kwargs:
                 if not REFUSED_KWARGS.isdisjoint(kwargs):
                     raise TypeError(kwargs_fault(kwargs))

@@ -73,6 +73,8 @@ class NeedGraph(Exception):
 
 #: Messages a stalled session (waiting for a GRAPH it asked for) holds, at most.
 MAX_STALLED = 1 << 16
+#: Bytes of upload data a stalled session may hold while it waits for a graph (then it ends).
+MAX_STALLED_BYTES = 64 << 20
 
 
 def describe(vals: list[Any]) -> str:
@@ -122,6 +124,7 @@ class GraphReplay:
     _fp: Any
     _stalled: list[list[Any]] | None
     _stall_gid: Any
+    _stalled_bytes: int
     probe: Any           # telemetry (server/telemetry/probe.py)
     label: str
     graph_hits: int
@@ -141,12 +144,16 @@ class GraphReplay:
                 break
         else:
             stalled.extend(batch)
-            if len(stalled) > MAX_STALLED:
+            self._stalled_bytes += sum(
+                len(x[5]) for x in batch if x[0] == m.UPLOAD and len(x) == 7 and isinstance(x[5], (bytes, bytearray)))
+            if len(stalled) > MAX_STALLED or self._stalled_bytes > MAX_STALLED_BYTES:
                 self._stalled = None
                 self._fatal(ProtocolError(
-                    f"the session waited for graph {gid} past {MAX_STALLED} messages; the client never sent it"))
+                    f"the session waited for graph {gid} past {MAX_STALLED} messages or {MAX_STALLED_BYTES} bytes "
+                    "of uploads; the client never sent it"))
             return None
         self._stalled = self._stall_gid = None
+        self._stalled_bytes = 0
         stalled.extend(batch)
         return stalled
 
@@ -219,7 +226,7 @@ class GraphReplay:
             idx = scal[j]
             if type(idx) is not int or not 0 <= idx < g.n_s:
                 raise ProtocolError(f"Replay of graph {gid} overrides scalar {idx!r} of {g.n_s}")
-            if scalar_fault(scal, 2 << j, self.backend.dtypes) is not None:
+            if self.backend.kind != "torch" and scalar_fault(scal, 2 << j, self.backend.dtypes) is not None:
                 raise ProtocolError(f"Replay of graph {gid} overrides scalar {idx} with a {type(scal[j + 1]).__name__}")
             R[n_in + idx] = scal[j + 1]
         mem = self.mem

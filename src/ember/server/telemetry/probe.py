@@ -198,14 +198,19 @@ def consume(sub: Subscription, handle: Callable[[Any], None], name: str, poll: f
     """
     timeout = poll if sub.ops else 1.0
 
+    seen: set[tuple[str, str]] = set()  # failures logged once each, with a traceback; then counted in a line
+
     def run() -> None:
         while not sub.closed:
             for ev in sub.drain():
                 try:
                     handle(ev)
-                except Exception:  # a subscriber's bug must not end its thread
+                except Exception as e:  # a subscriber's bug must not end its thread, nor flood the log
                     import logging
-                    logging.getLogger("ember.server.telemetry").exception("telemetry subscriber %s failed", name)
+                    lg, key = logging.getLogger("ember.server.telemetry"), (type(e).__name__, str(e)[:200])
+                    if key not in seen and len(seen) < 64:
+                        seen.add(key)
+                        lg.exception("telemetry subscriber %s failed (logged once; repeats are not)", name)
             sub.wait(timeout)
 
     t = threading.Thread(target=run, name=f"ember-telemetry-{name}", daemon=True)
