@@ -298,11 +298,10 @@ class Interpreter(GraphReplay, Holdings):
                 if not getattr(fn, "joins_poisoned", False):
                     raise
                 vals = [a if smask >> i & 1 else t.get(a) for i, a in enumerate(args)]
-            if smask:
-                if not self._aten:  # (torch makes no object tensors; the ATen table checks its own scalars)
-                    bad = scalar_fault(args, smask, self.backend.dtypes)
-                    if bad is not None:
-                        raise TypeError(bad)
+            if smask and not self._aten:  # (torch makes no object tensors; the ATen table checks its scalars)
+                bad = scalar_fault(args, smask, self.backend.dtypes)
+                if bad is not None:
+                    raise TypeError(bad)
             if kwargs:
                 if not REFUSED_KWARGS.isdisjoint(kwargs):
                     raise TypeError(kwargs_fault(kwargs))
