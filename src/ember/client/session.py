@@ -39,15 +39,16 @@ from ..protocol import codec
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
 from .bulk import BulkData, ReadTimeout, Upload, Waiter, size_text
+from .grouping import GroupHolding
 from .lanes import LaneData, StripedUpload
 from . import batch
-from .graph import Candidate, GraphTable, canon
+from .graph import Candidate, GraphTable
 
 _sessions: "weakref.WeakSet[ClientSession]" = weakref.WeakSet()
 _OP = m.OP
 
 
-class ClientSession(BulkData, LaneData):
+class ClientSession(BulkData, LaneData, GroupHolding):
     """One session with one device of one peer."""
 
     def __init__(self, conn: FrameConnection, welcome: dict[str, Any], loop: asyncio.AbstractEventLoop, *,
@@ -150,126 +151,6 @@ class ClientSession(BulkData, LaneData):
         # A full batch while the user keeps recording: let the I/O thread take the GIL and send it
         # now, so the peer works while we record (else it waits for the next GIL switch, ~5 ms).
         time.sleep(0)
-
-    # ---- op-graph caching (under self._lock) -------------------------------------------
-    def _start_hold(self, c: Candidate, msg: list[Any]) -> None:
-        self._cand = c
-        self._grp = [msg]
-        self._hold_t0 = time.monotonic()
-        self._active = True
-        if not self._ticking:  # the hold is bounded by graph_hold (checked by the idle tick)
-            self._ticking = True
-            self.loop.call_soon_threadsafe(self._arm_tick)
-
-    def _switch_candidate(self, n: int, name: str) -> bool:
-        """The held ops left the candidate at op ``n``: follow another one with the same first ``n`` ops."""
-        c = self._cand
-        assert c is not None
-        for other in self._cands.get(c.names[0], ()):
-            if other is not c and other.n > n and other.names[n] == name and other.names[:n] == c.names[:n]:
-                self._cand = other
-                return True
-        return False
-
-    def _soft_boundary(self) -> None:
-        """End a period's group; after several periods in a row that did not replay, stop cutting."""
-        replays = self.stats["replays"]
-        self._end_group()
-        if self.stats["replays"] != replays:
-            self._misses = 0
-        else:
-            self._misses += 1
-            if self._misses > 4:
-                self._period = -1
-
-    def _too_long(self, g: list[list[Any]]) -> None:
-        """The group outgrew a graph. If the ops repeat with a period (a loop with no read in it),
-        realign the group on that period so that soft boundaries cut it into equal steps; else stop
-        capturing until the next boundary."""
-        names = [msg[1] for msg in g]
-        n = len(names)
-        for p in range(max(self._g_min, self.graph_min_period), n // 2 + 1):
-            if names[n - 2 * p:n - p] == names[n - p:]:  # the last two periods are the same ops
-                self._period, self._misses = p, 0
-                self._grp = []  # cut here: from the next op on, every p ops are a group
-                self._grp_drops = []
-                return
-        self._grp = None
-        self._grp_drops = []
-
-    def _release_held(self) -> None:
-        """The held group diverged from its candidate (or was held too long): send its ops as they are."""
-        self._cand = None
-        g = self._grp
-        assert g is not None
-        p = self._pending
-        p.extend(g)
-        if len(p) >= self.max_batch:  # (every caller flushes or arms the idle timer next)
-            self._flush_locked(False)
-
-    def _end_group(self) -> None:
-        """A boundary: replay the held group if it matches its candidate, else remember it as one."""
-        if not self._g_on:
-            return
-        g, c, gdrops = self._grp, self._cand, self._grp_drops
-        self._grp, self._cand, self._grp_drops = [], None, []
-        if not g:
-            return
-        if len(g) < self._g_min:
-            if c is not None:
-                self._pending.extend(g)
-            return
-        dropped = set(gdrops)
-        dropped.update(self._drops)
-        first = g[0][1]
-        cl = self._cands.get(first)
-        if c is not None:
-            k = canon(g, dropped) if len(g) == c.n else None
-            if k is not None and cl:
-                for i, cand in enumerate(cl):  # same ops, maybe another aliasing or release pattern
-                    if cand.n == c.n and cand.matches(k) and self._queue_replay(cand, k):
-                        if i:
-                            cl.insert(0, cl.pop(i))
-                        return
-            self._pending.extend(g)
-        if cl is None:
-            cands = self._cands
-            if len(cands) >= 64:
-                cands.pop(next(iter(cands)))
-            cl = cands[first] = []
-        cl.insert(0, Candidate(g, dropped))
-        if len(cl) > 4:
-            cl.pop()
-
-    def _queue_replay(self, c: Candidate, k: Any) -> bool:
-        if self._poisoned and any(i in self._poisoned for i in k.inputs):
-            return False  # sent as ops instead: they inherit the poison here (client/batch.py)
-        table = self._gtable
-        e = c.entry
-        if e is None:
-            e = c.entry = table.entry_for(k)
-            if e is None:  # id collision with another body: this group is not cached
-                return False
-        table.touch(e)
-        p = self._pending
-        if table.needs_register(e.gid):
-            p.append(e.wire)
-            self.stats["graphs"] += 1
-        p.append([m.REPLAY, e.gid, k.inputs, k.kept_ids, e.overrides(k.scalars)])
-        self.stats["replays"] += 1
-        self.stats["replayed_ops"] += c.n
-        elide = k.elide
-        if elide:  # temporaries never exist on the peer; consumed inputs are dropped by the replay
-            drops = self._drops
-            ids = []
-            while drops:
-                ids.append(drops.popleft())
-            rest = [i for i in ids if i not in elide]
-            if rest:
-                p.append([m.DROP, rest])
-        if len(p) >= self.max_batch:  # (every caller flushes or arms the idle timer next)
-            self._flush_locked(False)
-        return True
 
     def release(self, tid: int) -> None:
         """The user dropped an array: free it on the peer with the next batch (called from __del__)."""
