@@ -19,21 +19,31 @@ from ember.errors import SessionLost
 ENV = {**os.environ, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def start_serve(*args: str, pattern: str = r"listening on (ws://\S+)") -> tuple[subprocess.Popen, str]:
-    """Start `ember serve`, wait for its address line (the readiness signal; ``pattern``'s group)."""
-    p = subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", *args], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=ENV)
+def spawn_serve(*args: str, env: dict[str, str] = ENV, stderr: int = subprocess.PIPE) -> subprocess.Popen:
+    """Start `ember serve` with ``args`` (its address is read with :func:`address_of`)."""
+    return subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=stderr, text=True, env=env)
+
+
+def address_of(p: subprocess.Popen, pattern: str = r"listening on (ws://\S+)", timeout: float = 30) -> str:
+    """Wait for the address line of a spawned `ember serve` (the readiness signal; ``pattern``'s group)."""
     assert p.stdout is not None
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = p.stdout.readline()
         if not line:
             break
         m = re.search(pattern, line)
         if m:
-            return p, m.group(1)
+            return m.group(1)
     p.kill()
     raise AssertionError(f"ember serve printed no address; stderr: {p.stderr.read() if p.stderr else ''}")
+
+
+def start_serve(*args: str, pattern: str = r"listening on (ws://\S+)") -> tuple[subprocess.Popen, str]:
+    """Start `ember serve` and wait for its address."""
+    p = spawn_serve(*args)
+    return p, address_of(p, pattern)
 
 
 @pytest.mark.timeout(60)

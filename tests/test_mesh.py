@@ -26,6 +26,7 @@ from ember.torch import DataParallel, MeshError, MeshPeerLost  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ddp_reference import batches, loss_of, make_mlp  # noqa: E402
+from test_core_cli import address_of as serve_address, spawn_serve  # noqa: E402
 
 ENV = {**os.environ, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
        "OMP_NUM_THREADS": "1"}
@@ -33,24 +34,13 @@ REFERENCE = str(Path(__file__).parent / "ddp_reference.py")
 
 
 def spawn_peer() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", "--device", "torch:cpu", "--collectives",
-                             "--no-iroh", "--tcp", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env=ENV)
+    return spawn_serve("--device", "torch:cpu", "--collectives", "--no-iroh", "--tcp", "127.0.0.1:0", env=ENV,
+                       stderr=subprocess.DEVNULL)
 
 
 def address_of(p: subprocess.Popen) -> str:
     """The peer's address, once it says it listens (the readiness signal)."""
-    assert p.stdout is not None
-    deadline = time.monotonic() + 45
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        if not line:
-            break
-        found = re.search(r"listening on (tcp://\S+)", line)
-        if found:
-            return found.group(1)
-    p.kill()
-    raise AssertionError("ember serve --collectives printed no address")
+    return serve_address(p, r"listening on (tcp://\S+)", timeout=45)
 
 
 def start_peer() -> tuple[subprocess.Popen, str]:
