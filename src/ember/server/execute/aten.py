@@ -143,10 +143,7 @@ class AtenKernel:
         dev = self.device
         tensors = [operand(b, lay, dev) for b, lay in zip(bufs, l)]
         args, kwargs, before = self._bind(a, tensors, scalars)
-        if self.draw is not None:
-            res = self.draw(args, kwargs)
-        else:
-            res = self.op(*args, **kwargs)
+        res = self.run(args, kwargs)
         dynamic = o is None  # data-dependent: the outputs (a written one cloned) are taken before zeroing
         stored = self._results(res, o, tensors) if dynamic else None
         for (t, nbytes), b, lay in zip(before, self._written_bufs(a, bufs), self._written_bufs(a, l)):
@@ -154,11 +151,21 @@ class AtenKernel:
                 self._keep_layout(t, b, lay)
             self._zero_growth(t, nbytes)
         if before:
-            for b in bufs:  # a storage that grew (resize_, out=): its value spans all of it again
-                st = b.untyped_storage()
-                if b.numel() != st.nbytes():
-                    b.set_(st)
+            self.respan(bufs)
         return stored if dynamic else self._results(res, o, tensors)
+
+    def run(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """The kernel itself (on the session's random stream when it draws)."""
+        return self.draw(args, kwargs) if self.draw is not None else self.op(*args, **kwargs)
+
+    @staticmethod
+    def respan(bufs: Any) -> None:
+        """After a kernel that wrote operands: a storage that grew (``resize_``, ``out=``) is spanned again
+        by its uint8 value."""
+        for b in bufs:
+            st = b.untyped_storage()
+            if b.numel() != st.nbytes():
+                b.set_(st)
 
     def _bind(self, tmpl: list[Any], tensors: list[torch.Tensor], scalars: list[Any]) -> Any:
         args: list[Any] = []

@@ -98,15 +98,12 @@ class BoundAten:
         args = [_fill(p, tensors, vals) for p in self.plan]
         kwargs = {n: _fill(p, tensors, vals) for n, p in self.kwplan.items()}
         before = [(tensors[i], tensors[i].untyped_storage().nbytes()) for i in self.written_pos]
-        res = k.draw(args, kwargs) if k.draw is not None else k.op(*args, **kwargs)
+        res = k.run(args, kwargs)
         if before:
             for (t, nbytes), i, lay in zip(before, self.written_pos, self.wlay):
                 k._keep_layout(t, bufs[i], lay)
                 k._zero_growth(t, nbytes)
-            for b in bufs:  # a storage that grew (out=): its value spans all of it again
-                st = b.untyped_storage()
-                if b.numel() != st.nbytes():
-                    b.set_(st)
+            k.respan(bufs)
         flat = list(res) if isinstance(res, (tuple, list)) else [res]
         stored = []
         for idx, size, stride, offset, dtype, nbytes, spec in self.outs:
