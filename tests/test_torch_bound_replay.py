@@ -12,7 +12,7 @@ import ember  # noqa: E402
 import ember.torch  # noqa: E402,F401
 from ember.protocol import messages as m  # noqa: E402
 from ember.server.execute.backends import make_backend  # noqa: E402
-from ember.server.execute.bound import BoundAten  # noqa: E402
+from ember.server.execute.program import Program  # noqa: E402
 from ember.server.execute.interpreter import Interpreter, build_table  # noqa: E402
 from ember.torch import workloads as W  # noqa: E402
 
@@ -47,7 +47,7 @@ def test_a_bound_step_checks_each_replays_storages_and_poisons_what_it_cannot_ru
                   [m.REPLAY, 1, [1, 4], [13], []],    # back to a storage that holds the layout
                   [m.REPLAY, 2, [3, 2], [], []],      # written in place: the too-small storage is poisoned
                   [m.REPLAY, 2, [4, 2], [], []]])
-    assert all(type(s[0]) is BoundAten for g in (1, 2) for s in it.graphs.peek(g).steps)  # bound at first replay
+    assert all(type(it.graphs.peek(g).program) is Program and it.graphs.peek(g).program.n_fast == 1 for g in (1, 2))
     assert floats(it.tensors[10]) == [i + 2.0 for i in range(16)]
     for tid in (11, 12):
         assert tid not in it.tensors and "reaches byte 64 of a storage of 8 bytes" in it.poison[tid].error["message"]

@@ -2,11 +2,12 @@
 
 A GRAPH message (see :mod:`ember.protocol.messages`) is validated and compiled
 into a tuple of steps ``(fn, arg_registers, out_registers, kwargs, name,
-tensor_registers, error)``: the op's callable is looked up once (an ATen call's
-template bound once, at the first replay: :mod:`ember.server.execute.bound`), the keyword
+tensor_registers, error)``: the op's callable is looked up once, the keyword
 arguments are converted once (dtype names to backend dtypes, axis lists to
 tuples) into a private copy that replays never mutate. The interpreter runs
-the steps over a register file (:meth:`Interpreter.replay`).
+the steps over a register file (:meth:`Interpreter.replay`); on a torch device the graph's ATen
+steps are lowered into a :class:`~ember.server.execute.program.Program` at its first replay. A
+graph registered again unchanged (the same message bytes) keeps what it was lowered into.
 
 The cache is a plain LRU: registering or replaying a graph makes it the most
 recent; inserting past ``capacity`` evicts the least recent. Clients mirror
@@ -17,6 +18,7 @@ trip. Keep the two in step.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -25,7 +27,6 @@ from ...protocol import codec
 from ...protocol import messages as m
 from ...protocol.codec import safe_repr
 from .backends import Backend
-from .bound import lower
 from .confine import kwargs_fault, scalar_fault
 
 Step = tuple[Any, tuple[int, ...], tuple[int, ...], "dict[str, Any] | None", str, tuple[int, ...],
@@ -40,7 +41,7 @@ MAX_CACHE_BYTES = 64 << 20
 
 class CompiledGraph:
     __slots__ = ("gid", "n_in", "scalars", "n_s", "steps", "kept", "consumed", "n_reg", "n_ops", "wire_bytes",
-                 "replay_bytes", "saved", "nbytes", "bound")
+                 "replay_bytes", "saved", "nbytes", "program", "digest")
 
     def __init__(self, gid: int, n_in: int, scalars: list[Any], steps: tuple[Step, ...], kept: tuple[int, ...],
                  consumed: tuple[int, ...], n_reg: int, nbytes: int = 0) -> None:
@@ -57,17 +58,25 @@ class CompiledGraph:
         self.wire_bytes = 0    # the GRAPH message's size (set by compile_graph)
         self.replay_bytes = 0  # a REPLAY's size, estimated (ids as 32-bit ints, no scalar overrides)
         self.saved = 0         # wire bytes one replay saves against sending the ops one by one
-        self.bound = False     # ATen steps bound (at the first replay: a graph never replayed costs nothing more)
+        self.program: Any = None  # its Program (lowered at the first replay), False when it has no fast step
+        self.digest = b""      # the GRAPH message's hash: registered again unchanged, the graph is kept
 
-    def bind(self) -> None:
-        """Bind each ATen step's template once (:mod:`ember.server.execute.bound`); the rest stay as compiled."""
-        self.steps = tuple((lower(s[0], s[3]) or s[0],) + s[1:] if s[6] is None else s for s in self.steps)
-        self.bound = True
+    def drop(self) -> None:
+        """The graph left the cache: its program's cached views go (they hold storages of the session)."""
+        if self.program:
+            self.program.release()
 
 
-def _sizes(g: CompiledGraph, msg: list[Any]) -> None:
+def digest(raw: bytes) -> bytes:
+    """A GRAPH message's identity (its packed bytes' hash)."""
+    return hashlib.blake2b(raw, digest_size=16).digest()
+
+
+def _sizes(g: CompiledGraph, msg: list[Any], raw: bytes | None) -> None:
     """Telemetry's byte figures: the op messages a replay stands for are about the graph body's size."""
-    g.wire_bytes = len(codec.packb(msg))
+    raw = codec.packb(msg) if raw is None else raw
+    g.wire_bytes = len(raw)
+    g.digest = digest(raw)
     g.replay_bytes = len(codec.packb([m.REPLAY, g.gid, [0xFFFFFFFF] * g.n_in, 0xFFFFFFFF, []]))
     g.saved = max(0, len(codec.packb(msg[4])) - g.replay_bytes)
 
@@ -78,7 +87,8 @@ def _int(v: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
     return v
 
 
-def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend: Backend) -> CompiledGraph:
+def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend: Backend,
+                  raw: bytes | None = None) -> CompiledGraph:
     """Validate a GRAPH message and compile it; ProtocolError names what is malformed."""
     if len(msg) != 7:
         raise ProtocolError(f"malformed Graph message: {len(msg)} fields, expected 7")
@@ -131,7 +141,7 @@ def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend:
     for k in consumed:
         _int(k, "a consumed input", 0, n_in)
     g = CompiledGraph(gid, n_in, scalars, tuple(steps), tuple(kept), tuple(consumed), reg, cost + 8 * reg)
-    _sizes(g, msg)
+    _sizes(g, msg, raw)
     if scalars:  # its literals (a list of millions of numbers...) are held as long as it is cached
         g.nbytes += 8 * len(codec.packb(scalars))
     return g
@@ -169,11 +179,14 @@ class GraphCache:
         old = d.pop(g.gid, None)
         if old is not None:
             self._account(-old.nbytes)
+            if old is not g:
+                old.drop()
         d[g.gid] = g
         self._account(g.nbytes)
         while len(d) > self.capacity or (self.nbytes > self.max_bytes and len(d) > 1):
             _, gone = d.popitem(last=False)
             self._account(-gone.nbytes)
+            gone.drop()
             self.evictions += 1
 
     def _account(self, n: int) -> None:
@@ -191,5 +204,7 @@ class GraphCache:
         return gid in self._d
 
     def clear(self) -> None:
+        for g in self._d.values():
+            g.drop()
         self._d.clear()
         self._account(-self.nbytes)

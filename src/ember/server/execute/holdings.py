@@ -33,6 +33,7 @@ class Holdings:
 
     tensors: dict[Any, Any]
     poison: dict[Any, Poison]
+    _views: dict[int, set[Any]]  # id of a stored value -> {(program, input)} holding views of it
     mem: Any             # SessionMemory
     backend: Any         # Backend
     _fp: Any
@@ -103,6 +104,8 @@ class Holdings:
                 mem.hold(nkey, nn, (name, v))
             except LimitExceeded as e:
                 t.pop(tid, None)  # its new buffer was never charged: nothing to release
+                if self._views:
+                    self._unview(v)
                 self._set_poison([tid], limit_poison(name, self.backend.spec, e))
 
     def put(self, tid: Any, value: Any, what: str, prepaid: int = 0) -> None:
@@ -123,6 +126,8 @@ class Holdings:
         self.mem.hold(key, n, (what, value), prepaid)
         t[tid] = value
         if old is not None:
+            if self._views and old is not value:
+                self._unview(old)
             self.mem.unhold(self._fp(old)[0])
         elif self.poison:
             self.poison.pop(tid, None)  # a reused id: its old error is gone with it
@@ -145,10 +150,19 @@ class Holdings:
         v = self.tensors.pop(tid, None)
         if v is None:
             self.poison.pop(tid, None)
-        elif self._numpy and type(v) is np.ndarray and v.base is None:
+            return
+        if self._views:
+            self._unview(v)
+        if self._numpy and type(v) is np.ndarray and v.base is None:
             self.mem.unhold(id(v))
         else:
             self.mem.unhold(self._fp(v)[0])
+
+    def _unview(self, v: Any) -> None:
+        """``v`` leaves the session: graph programs drop the views they cached of it
+        (:meth:`~ember.server.execute.program.Program.unbind`), so none keeps its storage alive."""
+        for prog, k in self._views.pop(id(v), ()):
+            prog.unbind(k, v)
 
     def _set_poison(self, outs: Any, poison: Poison) -> None:
         p = self.poison

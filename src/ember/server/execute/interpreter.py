@@ -122,6 +122,7 @@ class Interpreter(GraphReplay, Holdings):
         self.max_uploads = int(limits.get("max_uploads", MAX_PARTIAL_UPLOADS))
         self.tensors: dict[int, Any] = {}
         self.poison: dict[int, Poison] = {}
+        self._views: dict[int, set[Any]] = {}  # stored values graph programs cached views of (program.py)
         # id -> (buffer, dtype, shape, total, reserved by the network loop: a shared charge until adopted)
         self._uploads: dict[int, tuple[Any, str, list[int], int, bool]] = {}
         self._out_bytes = 0  # bytes of tensor data in the responses being gathered

@@ -14,9 +14,11 @@ from typing import Any, Callable
 
 from ...errors import LimitExceeded, ProtocolError, to_wire
 from ...protocol import messages as m
+from ...protocol import codec
 from ...protocol.codec import safe_repr
 from .confine import scalar_fault
-from .graph_cache import compile_graph
+from .graph_cache import compile_graph, digest
+from .program import Program
 from .sizes import PREDICTED
 
 #: A replay charges results below this size together, once they reach SLACK bytes: the budget check
@@ -43,6 +45,19 @@ def store_results(store: Any, outs: list[int], res: Any, name: str) -> None:
         raise ValueError(f"{name} returned {len(res)} results for {len(outs)} outputs")
     for o, r in zip(outs, res):
         store[o] = r
+
+
+class _Run:
+    """One replay's running state: bytes charged for the register file, poison seen, inputs spoiled."""
+
+    __slots__ = ("temps", "small", "bad", "spoiled", "ins", "n_in", "gid")
+
+    def __init__(self, ins: list[Any], n_in: int, gid: int) -> None:
+        self.temps = 0  # bytes of results the register file holds (nominal sizes), released at the end
+        self.small = 0  # bytes of small results not charged yet (at most SLACK)
+        self.bad = False
+        self.spoiled: dict[Any, Poison] = {}
+        self.ins, self.n_in, self.gid = ins, n_in, gid
 
 
 class Poison:
@@ -163,7 +178,9 @@ class GraphReplay:
         try:
             if not self.graphs.capacity:
                 raise ProtocolError("this peer caches no graphs (graph_cache 0): send the ops themselves")
-            g = compile_graph(msg, self.table, self.backend)
+            raw = codec.packb(msg)
+            old = self.graphs.peek(msg[1]) if len(msg) > 1 else None
+            g = old if old is not None and old.digest == digest(raw) else compile_graph(msg, self.table, self.backend, raw)
         except ProtocolError as e:
             out.append([0, m.ERROR, to_wire(e)])
             self._fatal(e, answered=True)
@@ -206,22 +223,20 @@ class GraphReplay:
         if len(ins) != n_in or len(outs) != len(g.kept) or len(scal) % 2:
             raise ProtocolError(f"Replay of graph {gid} binds {len(ins)} inputs and {len(outs)} outputs; "
                                 f"the graph has {n_in} and {len(g.kept)}")
-        if not g.bound:
-            g.bind()
         self.graph_hits += 1
         self.replayed_ops += g.n_ops
         self.graph_saved += g.saved
         t, poison = self.tensors, self.poison
         R: list[Any] = [None] * g.n_reg
-        spoiled: dict[Any, Poison] = {}
-        bad = False
+        st = _Run(ins, n_in, gid)
         for k, i in enumerate(ins):
             v = t.get(i)
             if v is None:
                 v = poison.get(i) or Missing(i)
-                bad = True
+                st.bad = True
             R[k] = v
         R[n_in:n_in + g.n_s] = g.scalars
+        ovr = set()
         for j in range(0, len(scal), 2):
             idx = scal[j]
             if type(idx) is not int or not 0 <= idx < g.n_s:
@@ -229,59 +244,22 @@ class GraphReplay:
             if self.backend.kind != "torch" and scalar_fault(scal, 2 << j, self.backend.dtypes) is not None:
                 raise ProtocolError(f"Replay of graph {gid} overrides scalar {idx} with a {type(scal[j + 1]).__name__}")
             R[n_in + idx] = scal[j + 1]
-        mem = self.mem
-        temps = 0  # bytes of results the register file holds (nominal sizes), released at the end
-        small = 0  # bytes of small results not charged yet (at most SLACK)
+            ovr.add(n_in + idx)
+        prog = g.program
+        if prog is None:  # lowered at the first replay: a graph never replayed costs nothing more
+            prog = g.program = Program(g, self) if self._aten else False  # type: ignore[attr-defined]
+            if prog and not prog.n_fast:
+                prog = g.program = False
         try:
-            for fn, regs, oregs, kw, name, tregs, err in g.steps:
-                try:
-                    if bad:
-                        for r in tregs:
-                            v = R[r]
-                            if type(v) is Poison or type(v) is Missing:
-                                raise KeyError(v.tid if type(v) is Missing else name)
-                    if fn is None:
-                        raise KeyError(name)
-                    if err is not None:
-                        raise err
-                    args = [R[r] for r in regs]
-                    reserved = self._reserve(name, args, kw) if name in PREDICTED else \
-                        self._reserve_unpredicted(name, args, kw)  # type: ignore[attr-defined]
-                    try:
-                        res = fn(*args, **kw) if kw else fn(*args)
-                    finally:
-                        if reserved:
-                            mem.release(reserved)
-                    if len(oregs) == 1:
-                        n = getattr(res, "nbytes", 0)
-                        if n >= SMALL_RESULT:
-                            mem.charge(n, (name, res))
-                            temps += n
-                        elif n:  # small results are charged together, SLACK bytes at a time
-                            small += n
-                            if small >= SLACK:
-                                n, small = small, 0
-                                mem.charge(n, lambda: f"{name} and the small results before it in graph {gid}")
-                                temps += n
-                        R[oregs[0]] = res
-                    else:
-                        store_results(R, oregs, res, name)
-                        n = sum(getattr(R[o], "nbytes", 0) for o in oregs)
-                        if n:
-                            mem.charge(n, lambda: f"{name} outputs")
-                            temps += n
-                except Exception as e:
-                    p = self._replay_poison(name, [R[r] for r in tregs], e, kw)
-                    for o in oregs:
-                        R[o] = p
-                    for r in written_of(fn, regs, kw):  # in-place ops poison what they write
-                        R[r] = p
-                        if r < n_in:
-                            spoiled[ins[r]] = p
-                    bad = True
+            if prog:
+                prog.run(self, g, R, ovr, st)
+            else:
+                step = self._step
+                for i in range(g.n_ops):
+                    step(g, i, R, st)
         finally:
-            mem.release(temps)  # the kept results are charged again, by buffer, as they are stored
-        for i, p in spoiled.items():
+            self.mem.release(st.temps)  # the kept results are charged again, by buffer, as they are stored
+        for i, p in st.spoiled.items():
             self._set_poison([i], p)
         for reg, oid in zip(g.kept, outs):
             v = R[reg]
@@ -294,6 +272,60 @@ class GraphReplay:
                     self._set_poison([oid], self._replay_poison("replay", [v], e))
         for k in g.consumed:
             self.forget(ins[k])
+
+    def _step(self, g: Any, i: int, R: list[Any], st: _Run) -> Poison | None:
+        """Step ``i`` of graph ``g`` over the register file ``R``, as the op sent alone would run (its
+        poison, or None). Each result is charged (its nominal size) while the register file holds it;
+        reservations are made exactly as for the op sent alone."""
+        fn, regs, oregs, kw, name, tregs, err = g.steps[i]
+        mem = self.mem
+        try:
+            if st.bad:
+                for r in tregs:
+                    v = R[r]
+                    if type(v) is Poison or type(v) is Missing:
+                        raise KeyError(v.tid if type(v) is Missing else name)
+            if fn is None:
+                raise KeyError(name)
+            if err is not None:
+                raise err
+            args = [R[r] for r in regs]
+            reserved = self._reserve(name, args, kw) if name in PREDICTED else \
+                self._reserve_unpredicted(name, args, kw)  # type: ignore[attr-defined]
+            try:
+                res = fn(*args, **kw) if kw else fn(*args)
+            finally:
+                if reserved:
+                    mem.release(reserved)
+            if len(oregs) == 1:
+                n = getattr(res, "nbytes", 0)
+                if n >= SMALL_RESULT:
+                    mem.charge(n, (name, res))
+                    st.temps += n
+                elif n:  # small results are charged together, SLACK bytes at a time
+                    st.small += n
+                    if st.small >= SLACK:
+                        n, st.small = st.small, 0
+                        mem.charge(n, lambda: f"{name} and the small results before it in graph {g.gid}")
+                        st.temps += n
+                R[oregs[0]] = res
+            else:
+                store_results(R, oregs, res, name)
+                n = sum(getattr(R[o], "nbytes", 0) for o in oregs)
+                if n:
+                    mem.charge(n, lambda: f"{name} outputs")
+                    st.temps += n
+            return None
+        except Exception as e:
+            p = self._replay_poison(name, [R[r] for r in tregs], e, kw)
+            for o in oregs:
+                R[o] = p
+            for r in written_of(fn, regs, kw):  # in-place ops poison what they write
+                R[r] = p
+                if r < st.n_in:
+                    st.spoiled[st.ins[r]] = p
+            st.bad = True
+            return p
 
     def _replay_poison(self, name: str, vals: list[Any], e: Exception, kw: Any = None) -> Poison:
         """What ``_fail`` would have made of this op sent alone (same message, same upstream poison)."""

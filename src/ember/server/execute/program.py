@@ -1,0 +1,440 @@
+"""A registered graph lowered once into a flat program: the peer's replay of ATen steps at near kernel speed.
+
+At a graph's first replay :class:`Program` lowers it. Every ATen step whose template binds (the same
+checks as the generic kernel: :meth:`AtenKernel._bind`, each layout's extent, each output spec) becomes
+a *fast step*: a small function made once for its template that takes its operands from a file of
+*typed registers* and calls the overload's C++ handle directly (``OpOverload._op``; a random op through
+the session's stream). A typed register holds one register in one layout:
+
+* a graph input in a layout its consumers read: a view of the input's storage, *cached* across replays
+  keyed on the identity of the storage value the session holds (a replay with the same storages makes
+  no view at all). The views are dropped when that value leaves the session (:meth:`Program.unbind`,
+  called by ``Holdings.forget``) or another value is bound, so a cached view never keeps a freed,
+  uncharged storage alive;
+* a fast step's result, in the layout its output spec names (the result itself, adopted), and each
+  other layout a later step reads it in (a view, made once the result exists).
+
+A fast step's results are checked against their specs (layout, bytes, no aliasing of an operand) until
+one run has shown they match exactly: from then on, for an overload whose schema returns fresh tensors
+and writes nothing, they are adopted unchecked (a kernel's output layout depends only on its operands'
+layouts and its template, both fixed). A replay that overrides a step's scalars checks it again.
+
+The bytes of the fast steps' declared outputs are charged once per replay, up front (what the generic
+replay charges step by step); when that is over the budget, or a step's operand is poisoned, missing,
+or not a storage that holds its layout, the step runs as the generic replay runs it
+(:meth:`GraphReplay._step`: the same errors, the same poison), as does every step that is not a vetted
+ATen call. Storage values are made only where one is needed (a generic step's operand, a kept output).
+"""
+
+from __future__ import annotations
+
+import keyword
+import sys
+from typing import Any, Callable
+
+_MISS = object()  # a fast step's operand is not available as a typed tensor: run the generic step
+_MAKERS: dict[str, Any] = {}  # compiled step makers, by generated source (shared by all programs)
+
+
+class FastStep:
+    """One ATen step of a program (see the module docstring)."""
+
+    __slots__ = ("i", "kernel", "fc", "fd", "trs", "sreg", "n_scal", "outs", "one", "touts", "wtrs", "wregs",
+                 "wlays", "trustable", "trusted", "nbytes", "name", "kw", "oregs", "regs")
+
+
+class Program:
+    """A graph's steps lowered once; :meth:`run` replays them over a register file (see the module docstring)."""
+
+    def __init__(self, g: Any, it: Any) -> None:
+        aten = sys.modules["ember.server.execute.aten"]
+        import torch
+        self.torch, self.aten, self.device, self.views = torch, aten, it.backend.device, it._views
+        n_in, first_out = g.n_in, g.n_in + g.n_s
+        self.n_in = n_in
+        self.trmap: dict[tuple[int, Any], int] = {}          # (register, layout) -> typed register
+        self.lays: dict[int, list[tuple[int, Any]]] = {}      # register -> [(typed register, layout)]
+        self.in_lays: dict[int, list[tuple[int, Any, int]]] = {}  # input -> [(typed register, layout, extent)]
+        self.prod: dict[int, int] = {}  # register a fast step makes -> its typed register (the spec's layout)
+        self.derive: dict[int, list[tuple[int, Any, int]]] = {}  # such a register -> other layouts read
+        self.fast: list[FastStep | None] = []
+        for i, s in enumerate(g.steps):
+            try:
+                fs = self._lower(i, s, g, n_in, first_out)
+            except Exception:  # noqa: BLE001 - the generic step says what is wrong, at replay
+                fs = None
+            if fs is None:
+                for r in s[2]:
+                    self.prod.pop(r, None)
+            else:
+                fs.trs = [self._source(r, lay) for r, lay in fs.trs]
+                fs.wtrs = [fs.trs[j] for j in fs.wtrs]
+                for _, oreg, lay in fs.outs:
+                    self.prod[oreg] = self._tr(oreg, lay)
+                fs.outs = [(spec, self.prod[oreg], oreg) for spec, oreg, _ in fs.outs]
+                fs.fc = fs.fc(fs.trs) if fs.fc is not None else None
+                fs.fd = fs.fd(fs.trs)
+            self.fast.append(fs)
+        for fs in self.fast:
+            if fs is not None:
+                fs.touts = [(spec[0], tro, self.derive.get(oreg)) for spec, tro, oreg in fs.outs]
+        self.V0: list[Any] = [None] * len(self.trmap)
+        self.bound: list[Any] = [None] * n_in  # the storage value each input's cached views are of
+        self.need = sum(fs.nbytes for fs in self.fast if fs is not None)
+        self.n_fast = sum(1 for fs in self.fast if fs is not None)
+
+    # ---- lowering ----------------------------------------------------------------------------
+    def _tr(self, r: int, lay: Any) -> int:
+        key = (r, lay)
+        tr = self.trmap.get(key)
+        if tr is None:
+            tr = self.trmap[key] = len(self.trmap)
+            self.lays.setdefault(r, []).append((tr, lay))
+        return tr
+
+    def _source(self, r: int, lay: Any) -> int:
+        """The typed register step operands read ``r`` in ``lay`` from (made where it is first needed)."""
+        if (r, lay) in self.trmap:
+            return self.trmap[(r, lay)]
+        tr = self._tr(r, lay)
+        need = self.aten.A.layout_extent(_list(lay), self.aten.ITEMSIZE)
+        if r < self.n_in:
+            self.in_lays.setdefault(r, []).append((tr, lay, need))
+        elif r in self.prod:
+            self.derive.setdefault(r, []).append((tr, lay, need))
+        return tr  # a generic step's result: its typed registers are made after it ran (:meth:`_generic`)
+
+    def _lower(self, i: int, s: Any, g: Any, n_in: int, first_out: int) -> FastStep | None:
+        aten, torch = self.aten, self.torch
+        fn, regs, oregs, kw, name, _, err = s
+        if err is not None or type(fn) is not aten.AtenKernel or fn.resize or not isinstance(kw, dict) \
+                or set(kw) != {"a", "l", "o"} or not isinstance(kw["o"], list):
+            return None
+        a, lays, specs = kw["a"], kw["l"], kw["o"]
+        if not isinstance(lays, list) or not isinstance(a, list) or len(a) != len(fn.args) \
+                or len(regs) != 1 + len(lays) or len(oregs) != len(specs):
+            return None
+        sreg = regs[0]
+        if not n_in <= sreg < first_out or any(n_in <= r < first_out for r in regs[1:]):
+            return None
+        for lay in lays:
+            aten.A.layout_extent(lay, aten.ITEMSIZE)  # raises: generic
+        fs = FastStep()
+        fs.i, fs.kernel, fs.name, fs.kw, fs.sreg, fs.regs, fs.oregs = i, fn, name, kw, sreg, regs, oregs
+        fs.trusted = False
+        # bind once with markers: each tensor slot a distinct empty tensor, each scalar a distinct float
+        marks = [torch.empty(0) for _ in lays]
+        n_scal = _scalar_count(fn, a, aten.A)
+        smarks = [float(j) + 0.5 for j in range(n_scal)]
+        args, kwargs, before = fn._bind(a, marks, smarks)
+        tid = {id(t): j for j, t in enumerate(marks)}
+        sid = {id(x): j for j, x in enumerate(smarks)}
+        plan = [_slot(v, tid, sid) for v in args]
+        kwplan = {n: _slot(v, tid, sid) for n, v in kwargs.items()}
+        fs.n_scal = n_scal
+        fs.wtrs = [tid[id(t)] for t, _ in before]
+        fs.wregs = [regs[1 + j] for j in fs.wtrs]
+        fs.wlays = [lays[j] for j in fs.wtrs]
+        fs.trs = [(r, _key(lay)) for r, lay in zip(regs[1:], lays)]
+        op = fn.op._op if fn.draw is None else None
+        consts = g.scalars[sreg - n_in]
+        try:
+            baked = [aten._scalar(x) for x in consts] if type(consts) is list and len(consts) == n_scal else None
+        except ValueError:
+            baked = None
+        fs.fc = _maker(plan, kwplan, op, fn.draw, baked, len(lays)) if baked is not None else None
+        fs.fd = _maker(plan, kwplan, op, fn.draw, None, len(lays))
+        fs.outs = []
+        nbytes = 0
+        for spec, oreg in zip(specs, oregs):
+            if not isinstance(spec, list) or len(spec) != 6 or type(spec[0]) is not int or spec[0] < 0:
+                return None
+            _, size, stride, offset, dtype, nb = spec
+            lay = [size, stride, offset, dtype]
+            if type(nb) is not int or not aten.A.layout_extent(lay, aten.ITEMSIZE) <= nb <= aten.A.INT64[1]:
+                return None
+            fs.outs.append(((spec[0], torch.Size(size), tuple(stride), offset, aten.DTYPES[dtype], nb, spec),
+                            oreg, _key(lay)))
+            nbytes += nb
+        fs.nbytes = nbytes
+        fs.trustable = not before and all(r.alias_info is None for r in fn.op._schema.returns)
+        fs.one = -1
+        return fs
+
+    # ---- inputs: views cached on the storage value --------------------------------------------
+    def _bind_input(self, k: int, b: Any) -> None:
+        """Views of input ``k``'s storage value ``b`` in each layout its fast consumers read (None where
+        ``b`` is not a storage or too small: those steps run generically and say why)."""
+        self.unbind(k, self.bound[k])
+        torch, V0 = self.torch, self.V0
+        ok = isinstance(b, torch.Tensor) and b.dtype is torch.uint8 and b.dim() == 1 and b.storage_offset() == 0
+        st = b.untyped_storage() if ok else None
+        n = st.nbytes() if ok else 0
+        dev, DT = self.device, self.aten.DTYPES
+        for tr, (size, stride, off, dt), need in self.in_lays.get(k, ()):
+            V0[tr] = torch.empty((0,), dtype=DT[dt], device=dev).set_(st, off, size, stride) \
+                if ok and need <= n else None
+        if ok:
+            self.bound[k] = b
+            self.views.setdefault(id(b), set()).add((self, k))
+
+    def unbind(self, k: int, b: Any) -> None:
+        """Input ``k``'s cached views are of ``b``, which the session no longer holds: drop them."""
+        if b is None or self.bound[k] is not b:
+            return
+        self.bound[k] = None
+        for tr, _, _ in self.in_lays.get(k, ()):
+            self.V0[tr] = None
+
+    def release(self) -> None:
+        """Drop every cached view (the graph left the cache, or a kernel restrided a view)."""
+        for k, b in enumerate(self.bound):
+            self.unbind(k, b)
+
+    # ---- replay ----------------------------------------------------------------------------------
+    def run(self, it: Any, g: Any, R: list[Any], ovr: Any, st: Any) -> None:
+        """Replay the graph over ``R`` (inputs and scalars set); kept registers hold storage values after."""
+        bound = self.bound
+        for k in self.in_lays:
+            if R[k] is not bound[k]:
+                self._bind_input(k, R[k])
+        V = self.V0.copy()
+        fast: Any = self.fast
+        if self.need:
+            try:
+                it.mem.charge(self.need, lambda: f"the {self.n_fast} ATen steps of graph {g.gid}")
+                st.temps += self.need
+            except Exception:  # noqa: BLE001 - over the budget: each step charged (and refused) on its own
+                fast = [None] * len(fast)
+        generic, checked = self._generic, self._checked
+        for i, fs in enumerate(fast):
+            if fs is None:
+                generic(it, g, R, V, st, i, None)
+            elif fs.trusted and not (ovr and fs.sreg in ovr):
+                try:
+                    res = fs.fc(V)
+                except Exception as e:  # noqa: BLE001 - the kernel's own error: the op's poison
+                    self._failed(it, R, V, st, fs, e)
+                    continue
+                if res is _MISS:
+                    generic(it, g, R, V, st, i, fs)
+                elif fs.one >= 0:
+                    V[fs.one] = res
+                else:
+                    for idx, tro, d in fs.touts:
+                        r = res if idx < 0 else res[idx]
+                        V[tro] = r
+                        if d:
+                            self._derive(V, r, d)
+            else:
+                checked(it, g, R, V, st, fs, ovr)
+        mat = self._mat
+        for r in g.kept:
+            mat(R, V, r)
+
+    def _mat(self, R: list[Any], V: list[Any], r: int) -> Any:
+        """Register ``r``'s storage value (made from its typed register if only that exists)."""
+        v = R[r]
+        if v is None and r in self.prod:
+            t = V[self.prod[r]]
+            if t is not None:
+                v = R[r] = self.aten.as_storage(t)
+        return v
+
+    def _derive(self, V: list[Any], r: Any, d: list[tuple[int, Any, int]]) -> None:
+        st = r.untyped_storage()
+        n = st.nbytes()
+        empty, DT, dev = self.torch.empty, self.aten.DTYPES, r.device
+        for tr, (size, stride, off, dt), need in d:
+            V[tr] = empty((0,), dtype=DT[dt], device=dev).set_(st, off, size, stride) if need <= n else None
+
+    def _generic(self, it: Any, g: Any, R: list[Any], V: list[Any], st: Any, i: int, fs: FastStep | None) -> None:
+        """Step ``i`` as the generic replay runs it; then its results' typed registers."""
+        if fs is not None and fs.nbytes:  # charged up front: the generic step charges its own
+            it.mem.release(fs.nbytes)
+            st.temps -= fs.nbytes
+        _, regs, oregs, kw, _, _, _ = g.steps[i]
+        for r in regs:
+            if r >= self.n_in and R[r] is None:
+                self._mat(R, V, r)
+        p = it._step(g, i, R, st)
+        if p is not None:
+            for r in regs:  # a written operand may be poisoned now
+                if type(R[r]) is type(p):
+                    for tr, _ in self.lays.get(r, ()):
+                        V[tr] = None
+        operand = self.aten.operand
+        for o in oregs:
+            lays = self.lays.get(o)
+            if lays:
+                b = R[o]
+                for tr, lay in lays:
+                    try:
+                        V[tr] = operand(b, _list(lay), self.device)
+                    except Exception:  # noqa: BLE001 - poisoned, or not a storage for this layout: generic
+                        V[tr] = None
+
+    def _failed(self, it: Any, R: list[Any], V: list[Any], st: Any, fs: FastStep, e: Exception) -> None:
+        """A fast step's kernel raised: its outputs and what it writes get the op's poison."""
+        p = it._replay_poison(fs.name, [], e, fs.kw)
+        for o in fs.oregs:
+            R[o] = p
+        for r in fs.wregs:
+            R[r] = p
+            for tr, _ in self.lays.get(r, ()):
+                V[tr] = None
+            if r < self.n_in:
+                st.spoiled[st.ins[r]] = p
+        st.bad = True
+
+    def _checked(self, it: Any, g: Any, R: list[Any], V: list[Any], st: Any, fs: FastStep, ovr: Any) -> None:
+        """A fast step with every result checked against its spec (and trusted after an exact match)."""
+        torch, k = self.torch, fs.kernel
+        over = bool(ovr) and fs.sreg in ovr
+        if over:
+            s = R[fs.sreg]
+            try:
+                if type(s) is not list or len(s) != fs.n_scal:
+                    raise ValueError(s)
+                S = [self.aten._scalar(x) for x in s]
+            except ValueError:
+                return self._generic(it, g, R, V, st, fs.i, fs)
+        elif fs.fc is None:
+            return self._generic(it, g, R, V, st, fs.i, fs)
+        tensors = [V[t] for t in fs.trs]
+        if None in tensors:
+            return self._generic(it, g, R, V, st, fs.i, fs)
+        try:
+            before = [(V[t], V[t].untyped_storage().nbytes()) for t in fs.wtrs]
+            res = fs.fd(V, S) if over else fs.fc(V)
+            for (t, nb), r, lay in zip(before, fs.wregs, fs.wlays):
+                size, stride, off, _ = lay
+                if list(t.shape) != size or list(t.stride()) != stride or t.storage_offset() != off:
+                    b = self._mat(R, V, r)
+                    k._keep_layout(t, b, lay)  # raises when reshaped
+                    self.release()  # the cached view was restrided: views are made again
+                    for tr, lay2 in self.lays.get(r, ()):
+                        V[tr] = self.aten.operand(b, _list(lay2), self.device)
+                k._zero_growth(t, nb)
+                b = R[r]
+                if b is not None and b.numel() != t.untyped_storage().nbytes():
+                    k.respan([b])
+            flat = list(res) if isinstance(res, (tuple, list)) else [res]
+            ptrs = None
+            exact = True
+            extra = 0
+            for (idx, size, stride, off, dtype, nb, spec), tro, oreg in fs.outs:
+                if idx >= len(flat):
+                    k._results(res, fs.kw["o"], tensors)  # raises why
+                r = flat[idx]
+                if isinstance(r, torch.Tensor) and r.dtype is dtype and r.shape == size and r.stride() == stride \
+                        and r.storage_offset() == off:
+                    s_ = r.untyped_storage()
+                    if ptrs is None:
+                        ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+                    n = s_.nbytes()
+                    if n >= nb and s_.data_ptr() not in ptrs:
+                        if n > nb:
+                            exact = False
+                            extra += n - nb
+                        V[tro] = r
+                        continue
+                exact = False
+                b = R[oreg] = k._store(r, spec, tensors)  # copies, zero-fills, or says what is wrong
+                V[tro] = self.aten.operand(b, spec[1:5], self.device)
+            if extra:
+                it.mem.charge(extra, lambda: f"{fs.name} outputs")
+                st.temps += extra
+        except Exception as e:  # noqa: BLE001 - as the generic kernel fails: the op's poison
+            return self._failed(it, R, V, st, fs, e)
+        for idx, tro, d in fs.touts:
+            if d:
+                self._derive(V, V[tro], d)
+        if exact and fs.trustable and not over and fs.fc is not None:
+            if not isinstance(res, (tuple, list)):
+                fs.touts = [(-1, tro, d) for _, tro, d in fs.touts]
+                if len(fs.touts) == 1 and not fs.touts[0][2]:
+                    fs.one = fs.touts[0][1]
+            fs.trusted = True
+
+
+def _key(lay: Any) -> tuple[Any, ...]:
+    return (tuple(lay[0]), tuple(lay[1]), lay[2], lay[3])
+
+
+def _list(key: Any) -> list[Any]:
+    return [list(key[0]), list(key[1]), key[2], key[3]]
+
+
+def _maker(plan: list[Any], kwplan: dict[str, Any], op: Any, draw: Any, baked: list[Any] | None,
+           n_ops: int) -> Callable[[list[int]], Any]:
+    """A maker of a step's function ``f(V)`` (or ``f(V, S)``: scalars given per call) from its typed
+    registers. The source names only generated identifiers; every value is passed in, never printed."""
+    consts: list[Any] = []
+
+    def expr(p: tuple[str, Any]) -> str:
+        kind, x = p
+        if kind == "t":
+            return f"a{x}"
+        if kind == "s":
+            return f"s{x}" if baked is not None else f"S[{x}]"
+        if kind == "l":
+            return "[" + "".join(expr(q) + ", " for q in x) + "]"
+        consts.append(x)
+        return f"c{len(consts) - 1}"
+
+    pos = [expr(p) for p in plan]
+    named = [(n, expr(p)) for n, p in kwplan.items()]
+    if draw is not None:
+        call = "draw([" + ", ".join(pos) + "], {" + ", ".join(f"{n!r}: {e}" for n, e in named) + "})"
+    else:
+        plain = [f"{n}={e}" for n, e in named if n.isidentifier() and not keyword.iskeyword(n)]
+        odd = [f"{n!r}: {e}" for n, e in named if not (n.isidentifier() and not keyword.iskeyword(n))]
+        call = "op(" + ", ".join(pos + plain + (["**{" + ", ".join(odd) + "}"] if odd else [])) + ")"
+    n_s = len(baked) if baked is not None else 0
+    params = ", ".join(["op", "draw", "MISS"] + [f"t{j}" for j in range(n_ops)] + [f"c{j}" for j in range(len(consts))]
+                       + [f"s{j}" for j in range(n_s)])
+    lines = [f"def make({params}):", "    def f(V" + (", S" if baked is None else "") + "):"]
+    lines += [f"        a{j} = V[t{j}]" for j in range(n_ops)]
+    if n_ops:
+        lines.append("        if " + " or ".join(f"a{j} is None" for j in range(n_ops)) + ":")
+        lines.append("            return MISS")
+    lines += [f"        return {call}", "    return f"]
+    src = "\n".join(lines) + "\n"
+    make = _MAKERS.get(src)
+    if make is None:
+        ns: dict[str, Any] = {}
+        exec(compile(src, "<ember program step>", "exec"), ns)  # noqa: S102 - generated from identifiers only
+        make = ns["make"]
+        if len(_MAKERS) < 1 << 14:
+            _MAKERS[src] = make
+    tail = consts + list(baked or ())
+    return lambda trs: make(op, draw, _MISS, *trs, *tail)
+
+
+def _scalar_count(k: Any, a: list[Any], A: Any) -> int:
+    """How many scalars the template ``a`` takes (the generic bind checks the count matches)."""
+    n = 0
+    for (_, cat, _, _), e in zip(k.args, a):
+        if cat == A.TENSOR_LIST and type(e) is list:
+            n += sum(1 for x in e if x == 1 and type(x) is int)
+        elif cat in (A.TENSOR, A.SCALAR) and e == 1 and type(e) is int:
+            n += 1
+        elif cat == A.SCALAR_LIST and type(e) is int and e >= 0:
+            n += e
+    return n
+
+
+def _slot(v: Any, tid: dict[int, int], sid: dict[int, int]) -> Any:
+    """What a bound argument becomes: ('t', i) a tensor operand, ('s', i) a scalar, ('l', [...]) a list
+    holding either, ('c', v) a constant of the template."""
+    if id(v) in tid and not isinstance(v, (int, float, bool)):
+        return ("t", tid[id(v)])
+    if type(v) is float and id(v) in sid:
+        return ("s", sid[id(v)])
+    if type(v) is list and any(id(x) in tid or (type(x) is float and id(x) in sid) for x in v):
+        return ("l", [_slot(x, tid, sid) for x in v])
+    return ("c", v)
+
+
+__all__ = ["Program", "FastStep"]

@@ -1,0 +1,143 @@
+"""A registered graph lowered into a program (server/execute/program.py): cached input views, trusted steps,
+scalar overrides, kernel errors, and a graph registered again unchanged."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ember.protocol import messages as m  # noqa: E402
+from ember.server.execute.backends import make_backend  # noqa: E402
+from ember.server.execute.interpreter import Interpreter, build_table  # noqa: E402
+from ember.server.execute.program import Program  # noqa: E402
+from ember.server.guard.memory import DeviceMemory  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+LAY = [[16], [1], 0, "float32"]
+ADD = {"a": [0, 0, 1], "l": [LAY, LAY], "o": [[0, [16], [1], 0, "float32", 64]]}
+
+
+def interpreter(limit: int = 1 << 30) -> Interpreter:
+    b = make_backend("torch:cpu")
+    return Interpreter(b, build_table(b), {}, lambda out: None,
+                       {"max_frame": 1 << 26, "chunk": 1 << 24, "max_tensor": 1 << 40, "graph_cache": 4},
+                       DeviceMemory(limit, "test").session(None, "test"))
+
+
+def storage(vals: Any) -> torch.Tensor:
+    return torch.tensor(vals, dtype=torch.float32).view(torch.uint8).clone()
+
+
+def floats(buf: torch.Tensor) -> list[float]:
+    return buf[:64].view(torch.float32).tolist()
+
+
+def chain(n: int) -> list[Any]:
+    """GRAPH 1: x + y, then + y again n - 1 times (inputs x, y; one scalar list [1]: alpha)."""
+    body = [["aten.add.Tensor", [2, 0 if i == 0 else 2 + i, 1], 1, ADD] for i in range(n)]
+    return [m.GRAPH, 1, 2, [[1]], body, [2 + n], []]
+
+
+def live_tensors_on(ptr: int) -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == ptr)
+
+
+def test_cached_input_views_go_with_the_storage_and_keep_nothing_freed_alive() -> None:
+    it = interpreter()
+    it.put(1, storage(range(16)), "upload")
+    it.put(2, storage([2.0] * 16), "upload")
+    it.run_batch([chain(3)])
+    base = it.mem.held()
+    for out in (10, 11):
+        it.run_batch([[m.REPLAY, 1, [1, 2], [out], []]])
+    prog = it.graphs.peek(1).program
+    assert type(prog) is Program and prog.n_fast == 3 and all(fs.trusted for fs in prog.fast)
+    assert prog.bound[1] is it.tensors[2]  # the same storages: the views made at the first replay serve
+    assert floats(it.tensors[11]) == [i + 6.0 for i in range(16)]
+    ptr = it.tensors[2].untyped_storage().data_ptr()
+    assert live_tensors_on(ptr) >= 2  # the storage value and the program's cached view of it
+    it.run_batch([[m.DROP, [2, 10, 11]]])
+    assert prog.bound[1] is None and live_tensors_on(ptr) == 0  # nothing keeps the freed storage alive
+    assert it.mem.held() == base - 64  # its charge is returned
+    # the id reused for another storage: new views, right values; then a value replaced under an id
+    it.put(2, storage([0.5] * 16), "upload")
+    it.run_batch([[m.REPLAY, 1, [1, 2], [12], []]])
+    assert floats(it.tensors[12]) == [i + 1.5 for i in range(16)]
+    old = it.tensors[1].untyped_storage().data_ptr()
+    it.put(1, storage([100.0] * 16), "upload")  # put over a held id: the old value leaves the session
+    assert prog.bound[0] is None and live_tensors_on(old) == 0
+    it.run_batch([[m.REPLAY, 1, [1, 2], [13], []]])
+    assert floats(it.tensors[13]) == [101.5] * 16
+    it.clear()
+    assert it.mem.held() == 0 and not it._views
+
+
+def test_program_poison_equals_the_generic_replays() -> None:
+    """An index out of range inside a fast step, an override of its scalars, a missing input: each
+    replay's values and poison are what the generic replay makes of them."""
+    idx_lay = [[2], [1], 0, "int64"]
+    sel = {"a": [0, 0, 0], "l": [[[4, 4], [4, 1], 0, "float32"], idx_lay],  # index_select(self, dim=0, index)
+           "o": [[0, [2, 4], [4, 1], 0, "float32", 32]]}
+    add = {"a": [0, 0, 1], "l": [[[2, 4], [4, 1], 0, "float32"]] * 2, "o": [[0, [2, 4], [4, 1], 0, "float32", 32]]}
+    body = [["aten.index_select.default", [2, 0, 1], 1, sel], ["aten.add.Tensor", [3, 4, 4], 1, add]]
+    graph = [m.GRAPH, 7, 2, [[], [1]], body, [5], []]
+    results = []
+    for program in (True, False):
+        it = interpreter()
+        it.put(1, storage([float(i) for i in range(16)]), "upload")
+        it.put(2, torch.tensor([3, 1], dtype=torch.int64).view(torch.uint8).clone(), "upload")
+        it.put(3, torch.tensor([3, 9], dtype=torch.int64).view(torch.uint8).clone(), "upload")
+        it.run_batch([graph])
+        if not program:
+            it.graphs.peek(7).program = False
+        it.run_batch([[m.REPLAY, 7, [1, 2], [20], []], [m.REPLAY, 7, [1, 3], [21], []],
+                      [m.REPLAY, 7, [1, 2], [22], [1, [0.5]]], [m.REPLAY, 7, [1, 99], [23], []],
+                      [m.REPLAY, 7, [1, 2], [24], []]])
+        if program:
+            prog = it.graphs.peek(7).program
+            assert type(prog) is Program and prog.n_fast == 2
+        results.append(([floats(it.tensors[i]) if i in it.tensors else None for i in range(20, 25)],
+                        [it.poison[i].error["message"] if i in it.poison else None for i in range(20, 25)]))
+    assert results[0] == results[1]
+    vals, errs = results[0]
+    assert vals[0] == [24.0, 26.0, 28.0, 30.0, 8.0, 10.0, 12.0, 14.0]
+    assert vals[2] == [18.0, 19.5, 21.0, 22.5, 6.0, 7.5, 9.0, 10.5] and vals[4] == vals[0]  # alpha 0.5, then 1
+    assert vals[1] is None and "out of range" in errs[1] and "index_select" in errs[1]
+    assert vals[3] is None and "99" in errs[3]
+
+
+def test_a_graph_registered_again_unchanged_keeps_its_program() -> None:
+    it = interpreter()
+    it.put(1, storage(range(16)), "upload")
+    it.put(2, storage([1.0] * 16), "upload")
+    it.run_batch([chain(2), [m.REPLAY, 1, [1, 2], [10], []]])
+    g = it.graphs.peek(1)
+    prog = g.program
+    it.run_batch([chain(2), [m.REPLAY, 1, [1, 2], [11], []]])
+    assert it.graphs.peek(1) is g and g.program is prog
+    it.run_batch([chain(3), [m.REPLAY, 1, [1, 2], [12], []]])  # another body under the same id: lowered anew
+    assert it.graphs.peek(1) is not g and it.graphs.peek(1).program is not prog and prog.bound == [None, None]
+    assert floats(it.tensors[11]) == [i + 2.0 for i in range(16)]
+    assert floats(it.tensors[12]) == [i + 3.0 for i in range(16)]
+
+
+def test_a_replay_over_the_budget_is_refused_step_by_step_as_before() -> None:
+    """The fast steps' outputs charged up front do not fit: every step is charged on its own, and the
+    one that does not fit is poisoned with the generic replay's LimitExceeded."""
+    n = 1 << 14  # 64 KiB results: each charged on its own
+    lay = [[n], [1], 0, "float32"]
+    add = {"a": [0, 0, 1], "l": [lay, lay], "o": [[0, [n], [1], 0, "float32", 4 * n]]}
+    body = [["aten.add.Tensor", [2, 0 if i == 0 else 2 + i, 1], 1, add] for i in range(4)]
+    it = interpreter(limit=4 * n * 4)  # the two inputs and two results
+    it.put(1, torch.zeros(4 * n, dtype=torch.uint8), "upload")
+    it.put(2, torch.ones(n).view(torch.uint8).clone(), "upload")
+    it.run_batch([[m.GRAPH, 1, 2, [[1]], body, [6], []], [m.REPLAY, 1, [1, 2], [10], []]])
+    assert 10 not in it.tensors and it.poison[10].error["kind"] == "LimitExceeded"
+    it.run_batch([[m.GRAPH, 2, 2, [[1]], body[:1], [3], []], [m.REPLAY, 2, [1, 2], [11], []]])
+    assert it.tensors[11][:4 * n].view(torch.float32).tolist() == [1.0] * n
