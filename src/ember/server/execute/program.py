@@ -157,7 +157,9 @@ class Program:
                             oreg, _key(lay)))
             nbytes += nb
         fs.nbytes = nbytes
-        fs.trustable = not before and all(r.alias_info is None for r in fn.op._schema.returns)
+        # results adopted unchecked once shown exact: fresh tensors (or none: an in-place op whose written
+        # operands kept their layout and bytes, which depends on their layouts only)
+        fs.trustable = not specs or all(r.alias_info is None for r in fn.op._schema.returns)
         fs.one = -1
         return fs
 
@@ -304,12 +306,16 @@ class Program:
         tensors = [V[t] for t in fs.trs]
         if None in tensors:
             return self._generic(it, g, R, V, st, fs.i, fs)
+        exact = True
         try:
             before = [(V[t], V[t].untyped_storage().nbytes()) for t in fs.wtrs]
             res = fs.fd(V, S) if over else fs.fc(V)
             for (t, nb), r, lay in zip(before, fs.wregs, fs.wlays):
                 size, stride, off, _ = lay
+                if t.untyped_storage().nbytes() != nb:
+                    exact = False
                 if list(t.shape) != size or list(t.stride()) != stride or t.storage_offset() != off:
+                    exact = False
                     b = self._mat(R, V, r)
                     k._keep_layout(t, b, lay)  # raises when reshaped
                     self.release()  # the cached view was restrided: views are made again
@@ -321,7 +327,6 @@ class Program:
                     k.respan([b])
             flat = list(res) if isinstance(res, (tuple, list)) else [res]
             ptrs = None
-            exact = True
             extra = 0
             for (idx, size, stride, off, dtype, nb, spec), tro, oreg in fs.outs:
                 if idx >= len(flat):
