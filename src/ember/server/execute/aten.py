@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from ...protocol import aten as A
-from . import rnn_cells
+from . import positions, rnn_cells
 from .backends import UnknownOp
 from .session_random import SessionRandom
 
@@ -118,6 +118,8 @@ class AtenKernel:
                                                                                 for _, c, _, _ in self.args)
         self.resize = name.split(".")[1] in _RESIZE
         self.draw = rng.runner(op) if self.seeded else None
+        #: operands whose values or sizes the CPU kernel trusts as memory positions: checked before it runs
+        self.check = positions.checker(op)
         #: elementwise, no random stream, no resize: on small operands, cheap enough for the network loop
         self.pointwise = torch.Tag.pointwise in op.tags and not self.seeded and not self.resize
 
@@ -155,7 +157,10 @@ class AtenKernel:
         return stored if dynamic else self._results(res, o, tensors)
 
     def run(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
-        """The kernel itself (on the session's random stream when it draws)."""
+        """The kernel itself (on the session's random stream when it draws), after the position check of
+        an op whose kernel trusts operand values as memory positions (:mod:`.positions`)."""
+        if self.check is not None:
+            self.check(args, kwargs)
         return self.draw(args, kwargs) if self.draw is not None else self.op(*args, **kwargs)
 
     @staticmethod
