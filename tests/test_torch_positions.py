@@ -110,6 +110,15 @@ SIZE_CASES = [  # (call, the operand whose layout shrinks to one element, expect
                                           _e(torch.ones(2, 1)), None, None, [True, False, False]), 2, "mean"),
     (lambda: A._cdist_backward(_e(torch.randn(2, 4)), _e(torch.randn(2, 3)), _e(torch.randn(4, 3)), 2.0,
                                _e(torch.randn(2, 4))), 3, "cdist"),
+    (lambda: A._adaptive_avg_pool2d_backward(_e(torch.randn(4, 3, 2, 2)), _e(torch.randn(4, 3, 4, 4))), 1,
+     "grad_output"),
+    (lambda: A.grid_sampler_2d_backward(_e(torch.randn(2, 3, 8, 8)), _e(torch.randn(2, 3, 8, 8)),
+                                        _e(torch.rand(2, 8, 8, 2) * 2 - 1), 0, 0, False, [True, True]), 0,
+     "grad_output"),
+    (lambda: A._log_softmax_backward_data(_e(torch.randn(8, 8)), _e(torch.randn(8, 8)), 1, torch.float32), 0,
+     "grad_output"),
+    (lambda: A.multi_margin_loss_backward(_e(torch.randn(8)), _e(torch.randn(8, 3)), _e(torch.zeros(8, dtype=torch.long)),
+                                          1, 1, None, 0), 0, "grad_output"),
     (lambda: A._weight_norm_interface_backward(_e(torch.randn(4, 3)), _e(torch.randn(4, 3)), _e(torch.randn(4, 1)),
                                                _e(torch.rand(4, 1) + 1), 0), 3, "saved_norms"),
 ]
@@ -153,3 +162,28 @@ def test_legitimate_position_ops_still_equal_cpu() -> None:
     want, got = run("cpu"), run(E)
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w)
+
+
+def test_ctc_backward_input_lengths_past_the_input_are_refused() -> None:
+    lp = torch.randn(5, 1, 3).log_softmax(2)
+    args = (lp, torch.tensor([[1, 2]]), torch.tensor([5]), torch.tensor([2]))
+    nll, alpha = A._ctc_loss(*args)
+    with pytest.raises(RemoteExecutionError, match="input_lengths.*refused on the peer"):
+        A._ctc_loss_backward(_e(torch.ones(1)), _e(lp), _e(args[1]), _e(torch.tensor([BIG])), _e(args[3]), _e(nll),
+                             _e(alpha), 0, False).cpu()
+
+
+def test_the_position_fuzzer_finds_nothing_unchecked(capsys: Any) -> None:
+    """``bench/bench_aten_positions.py`` over the ops that once reached outside memory: every mutated call is
+    refused by the peer's check or by the kernel itself."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "bench" / "bench_aten_positions.py"
+    spec = importlib.util.spec_from_file_location("bench_aten_positions", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rc = mod.main(["--ops", "nn.functional.max_pool2d,nn.functional.embedding_bag,nn.functional.ctc_loss,"
+                   "nn.functional.adaptive_avg_pool2d,segment_reduce", "--sizes", "--limit", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "UNSAFE" not in out and "refused" in out, out[-2000:]

@@ -104,15 +104,16 @@ def _bag_backward(a: Named) -> None:
     bags = g.size(0) if g.dim() else 0
     _in_range(op, "indices", idx, 0, int(a["num_weights"]))
     mode = int(a["mode"])
+    _in_range(op, "offsets", a.get("offsets"), 0, idx.numel() + 1)
+    _in_range(op, "bag_size", a["bag_size"], 0, idx.numel() + 1)
     if mode == 2:  # max: positions in the weight from maximum_indices (-1 marks an empty bag)
         _shape(op, "maximum_indices", a["maximum_indices"], g.shape)
         _in_range(op, "maximum_indices", a["maximum_indices"], -1, int(a["num_weights"]))
         return
+    _in_range(op, "maximum_indices", a["maximum_indices"], -1, max(int(a["num_weights"]), idx.numel() + 1))
     if o2b is not None and o2b.numel():  # (the composite rebuilds an empty offset2bag from the offsets)
         _numel(op, "offset2bag", o2b, idx.numel())
         _in_range(op, "offset2bag", o2b, 0, bags)
-    elif "offsets" in a:
-        _in_range(op, "offsets", a["offsets"], 0, idx.numel() + 1)
     if mode == 1:
         bs = a["bag_size"]
         if bs is None or bs.numel() < bags:
@@ -123,6 +124,7 @@ def _bag_backward(a: Named) -> None:
 def _bag_psw_backward(a: Named) -> None:
     op, g, idx, o2b = "embedding_bag per-sample-weights backward", a["grad"], a["indices"], a["offset2bag"]
     _in_range(op, "indices", idx, 0, a["weight"].size(0) if a["weight"].dim() else 0)
+    _in_range(op, "offsets", a["offsets"], 0, idx.numel() + 1)
     _numel(op, "offset2bag", o2b, idx.numel(), optional=False)
     _in_range(op, "offset2bag", o2b, 0, g.size(0) if g.dim() else 0)
 
@@ -169,8 +171,10 @@ def _ctc(a: Named) -> None:
     op, lp, tg = "ctc_loss", a["log_probs"], a["targets"]
     if lp.dim() not in (2, 3) or tg.dim() > 2:
         return  # the kernel checks dims itself
-    classes = lp.size(-1)
-    tl = _lengths(a["target_lengths"])
+    classes, batch = lp.size(-1), lp.size(1) if lp.dim() == 3 else 1
+    tl, il = _lengths(a["target_lengths"]), _lengths(a["input_lengths"])
+    if len(il) != batch or len(tl) != batch or any(not 0 <= n <= lp.size(0) for n in il):
+        _fail(op, f"input_lengths {il[:8]} / target_lengths {tl[:8]} do not fit log_probs of shape {tuple(lp.shape)}")
     if tg.dim() == 2:
         if len(tl) != tg.size(0) or any(not 0 <= n <= tg.size(1) for n in tl):
             _fail(op, f"target_lengths {tl[:8]} do not fit targets of shape {tuple(tg.shape)}")
@@ -181,7 +185,6 @@ def _ctc(a: Named) -> None:
         read = tg[:sum(tl)]
     _in_range(op, "targets", read, 0, classes)
     if "log_alpha" in a:
-        batch = lp.size(1) if lp.dim() == 3 else 1
         _shape(op + " backward", "log_alpha", a["log_alpha"], (batch, lp.size(0), 2 * max(tl, default=0) + 1))
         _numel(op + " backward", "neg_log_likelihood", a["neg_log_likelihood"], batch)
         _numel(op + " backward", "grad", a["grad"], batch)
@@ -240,7 +243,11 @@ def _cdist_backward(a: Named) -> None:
     op, x1, x2 = "cdist backward", a["x1"], a["x2"]
     if x1.dim() < 2 or x2.dim() < 2:
         return
-    want = (*x1.shape[:-2], x1.size(-2), x2.size(-2))
+    try:
+        batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    except RuntimeError:
+        return  # the kernel refuses it itself
+    want = (*batch, x1.size(-2), x2.size(-2))
     _shape(op, "grad", a["grad"], want)
     _shape(op, "cdist", a["cdist"], want)
 
@@ -250,6 +257,33 @@ def _pdist_backward(a: Named) -> None:
     n = x.size(0) if x.dim() else 0
     _numel(op, "grad", a["grad"], n * (n - 1) // 2)
     _numel(op, "pdist", a["pdist"], n * (n - 1) // 2)
+
+
+def _grad_like(grad: str, like: str, what: str) -> Check:
+    def check(a: Named) -> None:
+        _shape(what, grad, a[grad], a[like].shape)
+    return check
+
+
+def _adaptive_avg_backward(k: int) -> Check:
+    def check(a: Named) -> None:
+        g, x = a["grad_output"], a["self"]
+        if g.dim() != x.dim() or g.shape[:-k] != x.shape[:-k]:
+            _fail("adaptive_avg_pool backward", f"grad_output of shape {tuple(g.shape)} does not match the input's "
+                                                f"{tuple(x.shape)} outside the pooled dims")
+    return check
+
+
+def _grid_backward(a: Named) -> None:
+    g, x, grid = a["grad_output"], a["input"], a["grid"]
+    if x.dim() >= 2 and grid.dim() >= 2:
+        _shape("grid_sampler backward", "grad_output", g, (x.size(0), x.size(1), *grid.shape[1:-1]))
+
+
+def _margin_backward(a: Named) -> None:
+    x = a["self"]
+    n = x.size(0) if x.dim() == 2 else 1
+    _numel("margin loss backward", "grad_output", a["grad_output"], n if int(a["reduction"]) == 0 else 1)
 
 
 CHECKS: dict[str, Check] = {
@@ -271,6 +305,12 @@ CHECKS: dict[str, Check] = {
     "native_layer_norm_backward": _layer_norm_backward,
     "_weight_norm_interface_backward": _weight_norm_backward,
     "_cdist_backward": _cdist_backward, "_pdist_backward": _pdist_backward,
+    "_log_softmax_backward_data": _grad_like("grad_output", "output", "log_softmax backward"),
+    "_softmax_backward_data": _grad_like("grad_output", "output", "softmax backward"),
+    "_adaptive_avg_pool2d_backward": _adaptive_avg_backward(2),
+    "_adaptive_avg_pool3d_backward": _adaptive_avg_backward(3),
+    "grid_sampler_2d_backward": _grid_backward, "grid_sampler_3d_backward": _grid_backward,
+    "multi_margin_loss_backward": _margin_backward, "multilabel_margin_loss_backward": _margin_backward,
 }
 
 
