@@ -2,8 +2,8 @@
 
     python bench/bench_aten_positions.py [--ops max_pool2d,nn.functional.embedding] [--sizes] [--limit 4]
 
-Every ATen call torch makes for PyTorch's OpInfo samples (forward and backward, on CPU, captured with a
-dispatch mode) whose overload a peer runs (``ember.server.execute.aten.refusal`` is None) is replayed with
+Every ATen call an embedded peer runs for PyTorch's OpInfo samples (forward, gradients, variants: what a
+client sends, captured at ``AtenKernel.run``) is replayed on CPU with
 each integer tensor operand filled with an out-of-range value (``2**20``, ``-2**20``) and, with ``--sizes``,
 each tensor operand shrunk to one element. Each mutated call runs twice in a forked child: the bare CPU kernel
 (does torch itself check? a crash, an error, or it ran) and the peer's position check then the kernel
@@ -24,8 +24,7 @@ from typing import Any
 os.environ.setdefault("EMBER_OFFLINE", "1")
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
+from torch.utils._pytree import tree_map  # noqa: E402
 
 from ember.server.execute import positions  # noqa: E402
 from ember.server.execute.aten import refusal  # noqa: E402
@@ -37,41 +36,42 @@ POSITION_NAMES = {"indices", "index", "offsets", "lengths", "offset2bag", "bag_s
 VALUES = (1 << 20, -(1 << 20))
 
 
-class Capture(TorchDispatchMode):
-    """Keeps the first ``limit`` calls of each overload (arguments cloned)."""
+class Capture:
+    """Keeps the first ``limit`` calls of each overload a peer ran (arguments cloned)."""
 
     def __init__(self, limit: int) -> None:
-        super().__init__()
         self.limit = limit
-        self.calls: dict[str, list[tuple[Any, tuple[Any, ...], dict[str, Any]]]] = defaultdict(list)
+        self.calls: dict[str, list[tuple[Any, list[Any], dict[str, Any]]]] = defaultdict(list)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = str(func)
-        if len(self.calls[name]) < self.limit:
-            clone = lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
-            self.calls[name].append((func, tree_map(clone, args), tree_map(clone, kwargs)))
-        return func(*args, **kwargs)
+    def __enter__(self) -> "Capture":
+        from ember.server.execute import aten as peer_aten
+        self._kernel, self._run = peer_aten.AtenKernel, peer_aten.AtenKernel.run
+        cap, run = self, self._run
+
+        def spy(kernel: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+            if len(cap.calls[kernel.name]) < cap.limit:
+                clone = lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
+                cap.calls[kernel.name].append((kernel.op, tree_map(clone, list(args)), tree_map(clone, kwargs)))
+            return run(kernel, args, kwargs)
+        self._kernel.run = spy
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._kernel.run = self._run
 
 
 def capture(names: set[str] | None, limit: int) -> Capture:
+    """The ATen calls an embedded peer runs for the OpInfo samples (forward, gradients, variants): exactly
+    the overloads and arguments a client sends."""
+    import ember.torch  # noqa: F401 - the ember device and its embedded peer
     from ember.bench import opinfo as O
-    cap = Capture(limit)
-    for op in O.op_db():
-        if names is not None and op.name not in names:
-            continue
-        for pass_ in ("forward", "grad"):
-            if not O.applies(op, pass_):
+    with Capture(limit) as cap:
+        for op in O.op_db():
+            if names is not None and op.name not in names:
                 continue
-            try:
-                for s in O.samples(op, pass_, every=False):
-                    with cap:
-                        res = op(s.input, *s.args, **s.kwargs)
-                        outs = [t for t in tree_flatten(res)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-                        if outs:
-                            sum(o.float().sum() if not o.is_complex() else o.real.sum() for o in outs).backward()
-            except Exception:  # noqa: BLE001,S112 - a sample CPU torch itself rejects adds nothing
-                continue
+            for pass_ in ("forward", "grad", "variants"):
+                if O.applies(op, pass_):
+                    O.run_op(op, pass_, limit_s=30)
     return cap
 
 
@@ -104,8 +104,10 @@ def _in_child(fn: Any, timeout: int = 20) -> str:
 def mutations(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], sizes: bool) -> Any:
     """(operand name, mutation, args, kwargs) for each position-like or (with ``sizes``) any tensor operand."""
     schema = func._schema.arguments
-    named = [(a.name, i, False) for i, a in enumerate(schema) if not a.kwarg_only and i < len(args)]
-    named += [(a.name, a.name, True) for a in schema if a.name in kwargs]
+    def read(a: Any) -> bool:  # an out= operand is overwritten: its values are no positions
+        return a.alias_info is None or not a.alias_info.is_write
+    named = [(a.name, i, False) for i, a in enumerate(schema) if not a.kwarg_only and i < len(args) and read(a)]
+    named += [(a.name, a.name, True) for a in schema if a.name in kwargs and read(a)]
     for name, where, kw in named:
         t = kwargs[where] if kw else args[where]
         if not isinstance(t, torch.Tensor) or t.numel() == 0:

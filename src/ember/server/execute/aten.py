@@ -51,8 +51,23 @@ def refusal(name: str) -> str | None:
     op = _overload(parts[1], parts[2])
     if op is None:
         return f"there is no ATen overload {name[:80]!r} in torch {torch.__version__}"
+    if _implicit_only(op) and parts[1] not in _IMPLICIT_SENT:
+        return (f"ATen op {name} is a composite (CompositeImplicitAutograd): a client sends the ops it decomposes "
+                f"into, each checked on the peer")
     return A.refusal(name, [(a.name, str(a.real_type)) for a in op._schema.arguments],
                      [str(r.real_type) for r in op._schema.returns])
+
+
+_IMPLICIT_SENT = frozenset({"conj_physical", "_scaled_dot_product_attention_math"})
+"""Composites the client itself sends (``_conj`` made physical; SDPA's math path): their parts need no check."""
+
+
+def _implicit_only(op: Any) -> bool:
+    """Whether ``op`` has only a CompositeImplicitAutograd kernel: torch decomposes it before any backend, so
+    a client never sends it, and on a peer its parts would run without the checks of :mod:`.positions`."""
+    has, q = torch._C._dispatch_has_kernel_for_dispatch_key, op._schema.name + (
+        f".{op._schema.overload_name}" if op._schema.overload_name else "")
+    return has(q, "CompositeImplicitAutograd") and not has(q, "CPU") and not has(q, "CompositeExplicitAutograd")
 
 
 def _overload(op: str, overload: str) -> Any:
