@@ -79,7 +79,7 @@ INTERNAL = frozenset({"torch.alloc", "torch.seed", "torch.storage_of", "torch.ar
 
 DENY = re.compile(r"from_file|unsafe|as_strided|^set_|pin_memory|is_pinned|record_stream|^empty|^new_empty|"
                   r"^_empty|_nested|sparse|mkldnn|quantiz|^q_|^_cufft|^_copy_from|^_to_cpu|^_print|^_debug|"
-                  r"^_assert|^sym_|_efficientzerotensor|^_cudnn_init|^_fill_mem_eff|^lift")
+                  r"^_assert|^sym_|_efficientzerotensor|^_cudnn_init|^_fill_mem_eff|^lift|^_convert_indices_from")
 """Ops (the name between ``aten.`` and the overload) a peer never runs, whatever their arguments:
 files, memory left uninitialised or mapped, unchecked access, pinned/sparse/quantized/nested
 tensors, and ops only the client performs (copies across devices, metadata)."""

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from ...protocol import aten as A
-from . import rnn_cells
+from . import positions, rnn_cells
 from .backends import UnknownOp
 from .session_random import SessionRandom
 
@@ -51,8 +51,23 @@ def refusal(name: str) -> str | None:
     op = _overload(parts[1], parts[2])
     if op is None:
         return f"there is no ATen overload {name[:80]!r} in torch {torch.__version__}"
+    if _implicit_only(op) and parts[1] not in _IMPLICIT_SENT:
+        return (f"ATen op {name} is a composite (CompositeImplicitAutograd): a client sends the ops it decomposes "
+                f"into, each checked on the peer")
     return A.refusal(name, [(a.name, str(a.real_type)) for a in op._schema.arguments],
                      [str(r.real_type) for r in op._schema.returns])
+
+
+_IMPLICIT_SENT = frozenset({"conj_physical", "_scaled_dot_product_attention_math"})
+"""Composites the client itself sends (``_conj`` made physical; SDPA's math path): their parts need no check."""
+
+
+def _implicit_only(op: Any) -> bool:
+    """Whether ``op`` has only a CompositeImplicitAutograd kernel: torch decomposes it before any backend, so
+    a client never sends it, and on a peer its parts would run without the checks of :mod:`.positions`."""
+    has, q = torch._C._dispatch_has_kernel_for_dispatch_key, op._schema.name + (
+        f".{op._schema.overload_name}" if op._schema.overload_name else "")
+    return has(q, "CompositeImplicitAutograd") and not has(q, "CPU") and not has(q, "CompositeExplicitAutograd")
 
 
 def _overload(op: str, overload: str) -> Any:
@@ -118,6 +133,8 @@ class AtenKernel:
                                                                                 for _, c, _, _ in self.args)
         self.resize = name.split(".")[1] in _RESIZE
         self.draw = rng.runner(op) if self.seeded else None
+        #: operands whose values or sizes the CPU kernel trusts as memory positions: checked before it runs
+        self.check = positions.checker(op)
         #: elementwise, no random stream, no resize: on small operands, cheap enough for the network loop
         self.pointwise = torch.Tag.pointwise in op.tags and not self.seeded and not self.resize
 
@@ -155,7 +172,10 @@ class AtenKernel:
         return stored if dynamic else self._results(res, o, tensors)
 
     def run(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
-        """The kernel itself (on the session's random stream when it draws)."""
+        """The kernel itself (on the session's random stream when it draws), after the position check of
+        an op whose kernel trusts operand values as memory positions (:mod:`.positions`)."""
+        if self.check is not None:
+            self.check(args, kwargs)
         return self.draw(args, kwargs) if self.draw is not None else self.op(*args, **kwargs)
 
     @staticmethod

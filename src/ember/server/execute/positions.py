@@ -1,0 +1,331 @@
+"""Operands whose *values* or *sizes* a CPU ATen kernel trusts as memory positions.
+
+A handful of PyTorch's CPU kernels read or write memory at positions taken from an operand
+without checking them: they trust that the operand came from the matching forward kernel
+(``max_pool2d``'s ``indices``, ``embedding``'s indices in its backward, ``segment_reduce``'s
+offsets, CTC targets) or that a per-channel operand has one value per channel (batch norm's
+statistics, layer norm's saved mean). Through torch that always holds; a client writing raw
+``OP`` messages can break it and make the peer read or write outside a storage (a crash, a heap
+corruption, or another session's bytes read back). Found by ``bench/bench_aten_positions.py``
+(each found case is a regression test in ``tests/test_torch_positions.py``).
+
+:func:`checker` gives, for such an op, a check run on the bound arguments before the kernel: it
+raises ``ValueError`` naming the operand and the bound, so the call's outputs are poisoned with
+the reason and the kernel never runs. Ops not listed get no check (their kernels check, or take
+no positions from values). The checks cost one min/max (or sum) over the checked operands.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+Named = dict[str, Any]
+Check = Callable[[Named], None]
+
+
+class PositionError(ValueError):
+    """An operand's values or size would make a kernel reach outside its memory."""
+
+
+def _fail(op: str, what: str) -> None:
+    raise PositionError(f"{op}: {what} (refused on the peer: the kernel would reach outside its memory)")
+
+
+def _in_range(op: str, name: str, t: Any, lo: int, hi: int) -> None:
+    """Every value of integer tensor ``t`` lies in ``[lo, hi)``."""
+    if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return
+    if t.is_floating_point() or t.is_complex() or t.dtype is torch.bool:
+        _fail(op, f"{name} must be an integer tensor, got {t.dtype}")
+    mn, mx = int(t.min()), int(t.max())
+    if mn < lo or mx >= hi:
+        _fail(op, f"{name} holds values in [{mn}, {mx}], outside [{lo}, {hi})")
+
+
+def _numel(op: str, name: str, t: Any, want: int, optional: bool = True) -> None:
+    if t is None:
+        if not optional:
+            _fail(op, f"{name} is required")
+        return
+    if t.numel() != want:
+        _fail(op, f"{name} has {t.numel()} elements where {want} are read")
+
+
+def _shape(op: str, name: str, t: Any, want: Any) -> None:
+    if t is not None and tuple(t.shape) != tuple(want):
+        _fail(op, f"{name} has shape {tuple(t.shape)} where {tuple(want)} is read")
+
+
+def _prod(xs: Any) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
+
+
+# ---- pooling: indices are positions in each input plane -------------------------------------------
+
+def _pool(k: int) -> Check:
+    def check(a: Named) -> None:
+        op, x, g, idx = "max pooling backward", a["self"], a["grad_output"], a["indices"]
+        _shape(op, "indices", idx, g.shape)
+        _in_range(op, "indices", idx, 0, _prod(x.shape[-k:]) if x.dim() >= k else 1)
+    return check
+
+
+def _fractional(k: int) -> Check:
+    def check(a: Named) -> None:
+        s = a["random_samples"]
+        if s is not None and s.numel():
+            if not s.is_floating_point():
+                _fail("fractional_max_pool", "random_samples must be floating point")
+            if not bool(((s >= 0) & (s < 1)).all()):
+                _fail("fractional_max_pool", "random_samples must lie in [0, 1) (NaN or others give positions)")
+    return check
+
+
+# ---- embedding ---------------------------------------------------------------------------------
+
+def _embedding_backward(a: Named) -> None:
+    _in_range("embedding backward", "indices", a["indices"], 0, int(a["num_weights"]))
+
+
+def _bag_forward(a: Named) -> None:
+    op, idx, off = "embedding_bag", a["indices"], a["offsets"]
+    _in_range(op, "offsets", off, 0, idx.numel() + 1)
+    _in_range(op, "indices", idx, 0, a["weight"].size(0) if a["weight"].dim() else 0)
+    _numel(op, "per_sample_weights", a.get("per_sample_weights"), idx.numel())
+
+
+def _bag_backward(a: Named) -> None:
+    op, g, idx, o2b = "embedding_bag backward", a["grad"], a["indices"], a["offset2bag"]
+    bags = g.size(0) if g.dim() else 0
+    _in_range(op, "indices", idx, 0, int(a["num_weights"]))
+    mode = int(a["mode"])
+    _in_range(op, "offsets", a.get("offsets"), 0, idx.numel() + 1)
+    _in_range(op, "bag_size", a["bag_size"], 0, idx.numel() + 1)
+    if mode == 2:  # max: positions in the weight from maximum_indices (-1 marks an empty bag)
+        _shape(op, "maximum_indices", a["maximum_indices"], g.shape)
+        _in_range(op, "maximum_indices", a["maximum_indices"], -1, int(a["num_weights"]))
+        return
+    _in_range(op, "maximum_indices", a["maximum_indices"], -1, max(int(a["num_weights"]), idx.numel() + 1))
+    if o2b is not None and o2b.numel():  # (the composite rebuilds an empty offset2bag from the offsets)
+        _numel(op, "offset2bag", o2b, idx.numel())
+        _in_range(op, "offset2bag", o2b, 0, bags)
+    if mode == 1:
+        bs = a["bag_size"]
+        if bs is None or bs.numel() < bags:
+            _fail(op, f"bag_size has {0 if bs is None else bs.numel()} elements where {bags} are read")
+    _numel(op, "per_sample_weights", a.get("per_sample_weights"), idx.numel())
+
+
+def _bag_psw_backward(a: Named) -> None:
+    op, g, idx, o2b = "embedding_bag per-sample-weights backward", a["grad"], a["indices"], a["offset2bag"]
+    _in_range(op, "indices", idx, 0, a["weight"].size(0) if a["weight"].dim() else 0)
+    _in_range(op, "offsets", a["offsets"], 0, idx.numel() + 1)
+    _numel(op, "offset2bag", o2b, idx.numel(), optional=False)
+    _in_range(op, "offset2bag", o2b, 0, g.size(0) if g.dim() else 0)
+
+
+# ---- segment_reduce ----------------------------------------------------------------------------
+
+def _segments(a: Named) -> None:
+    op, data = "segment_reduce", a["data"]
+    axis = int(a.get("axis", 0))
+    if not -data.dim() <= axis < max(data.dim(), 1):
+        _fail(op, f"axis {axis} is outside the data's {data.dim()} dims")
+    n = data.size(axis) if data.dim() else 1
+    lengths, offsets = a.get("lengths"), a.get("offsets")
+    if offsets is not None:
+        if offsets.dim() == 0 or offsets.size(-1) == 0:
+            _fail(op, "offsets must hold at least one value per row")
+        _in_range(op, "offsets", offsets, 0, n + 1)
+        if offsets.numel() and bool((offsets.diff(dim=-1) < 0).any()):
+            _fail(op, "offsets must not decrease")
+        segs = offsets.size(-1) - 1
+    elif lengths is not None:
+        _in_range(op, "lengths", lengths, 0, n + 1)
+        if lengths.numel() and bool((lengths.sum(-1) != n).any()):
+            _fail(op, f"every row of lengths must sum to data.size(axis) = {n}")
+        segs = lengths.size(-1) if lengths.dim() else 1
+    else:
+        return
+    for name in ("grad", "output"):
+        t = a.get(name)
+        if t is not None:
+            want = list(data.shape)
+            if want:
+                want[axis] = segs
+            _shape(op + " backward", name, t, want)
+
+
+# ---- CTC: targets are class positions ----------------------------------------------------------
+
+def _lengths(v: Any) -> list[int]:
+    return [int(x) for x in (v.reshape(-1).tolist() if isinstance(v, torch.Tensor) else v)]
+
+
+def _ctc(a: Named) -> None:
+    op, lp, tg = "ctc_loss", a["log_probs"], a["targets"]
+    if lp.dim() not in (2, 3) or tg.dim() > 2:
+        return  # the kernel checks dims itself
+    classes, batch = lp.size(-1), lp.size(1) if lp.dim() == 3 else 1
+    tl, il = _lengths(a["target_lengths"]), _lengths(a["input_lengths"])
+    if len(il) != batch or len(tl) != batch or any(not 0 <= n <= lp.size(0) for n in il):
+        _fail(op, f"input_lengths {il[:8]} / target_lengths {tl[:8]} do not fit log_probs of shape {tuple(lp.shape)}")
+    if tg.dim() == 2:
+        if len(tl) != tg.size(0) or any(not 0 <= n <= tg.size(1) for n in tl):
+            _fail(op, f"target_lengths {tl[:8]} do not fit targets of shape {tuple(tg.shape)}")
+        read = tg[torch.arange(tg.size(1), device=tg.device)[None, :] < torch.tensor(tl, device=tg.device)[:, None]]
+    else:
+        if any(n < 0 for n in tl) or sum(tl) > tg.numel():
+            _fail(op, f"target_lengths {tl[:8]} do not fit {tg.numel()} targets")
+        read = tg[:sum(tl)]
+    _in_range(op, "targets", read, 0, classes)
+    if "log_alpha" in a:
+        _shape(op + " backward", "log_alpha", a["log_alpha"], (batch, lp.size(0), 2 * max(tl, default=0) + 1))
+        _numel(op + " backward", "neg_log_likelihood", a["neg_log_likelihood"], batch)
+        _numel(op + " backward", "grad", a["grad"], batch)
+
+
+# ---- normalisation: one statistic per channel / per row -------------------------------------------
+
+_PER_CHANNEL = ("weight", "bias", "running_mean", "running_var")
+
+
+def _batch_norm(a: Named) -> None:
+    op, x = "batch_norm", a["input"]
+    c = x.size(1) if x.dim() >= 2 else 0
+    if x.dim() < 2:
+        _fail(op, f"input must have at least 2 dims, got {x.dim()}")
+    for name in _PER_CHANNEL:
+        if name in a:
+            _numel(op, name, a[name], c)
+    g = a.get("grad_out", a.get("grad_output"))
+    if g is not None:
+        _shape(op + " backward", "grad_out", g, x.shape)
+        train = bool(a.get("train", a.get("update", True)))
+        for name in ("save_mean", "save_invstd", "save_var", "save_var_transform"):
+            t = a.get(name)
+            if t is not None and (train or t.numel()):
+                _numel(op + " backward", name, t, c)
+        if train and a.get("save_mean") is None:
+            _fail(op + " backward", "save_mean is required in training mode")
+        if not train and (a.get("running_mean") is None or a.get("running_var") is None):
+            _fail(op + " backward", "running statistics are required in evaluation mode")
+
+
+def _layer_norm_backward(a: Named) -> None:
+    op, x, shape = "layer_norm backward", a["input"], list(a["normalized_shape"])
+    if len(shape) > x.dim() or list(x.shape[x.dim() - len(shape):]) != shape:
+        return  # the kernel checks the shape itself
+    m = _prod(x.shape[:x.dim() - len(shape)])
+    _shape(op, "grad_out", a["grad_out"], x.shape)
+    _numel(op, "mean", a["mean"], m)
+    _numel(op, "rstd", a["rstd"], m)
+    for name in ("weight", "bias"):
+        _numel(op, name, a.get(name), _prod(shape))
+
+
+def _weight_norm_backward(a: Named) -> None:
+    op, v, dim = "weight_norm backward", a["saved_v"], int(a["dim"])
+    if not -v.dim() <= dim < max(v.dim(), 1):
+        _fail(op, f"dim {dim} is outside the weight's {v.dim()} dims")
+    n = v.size(dim) if v.dim() else 1
+    _shape(op, "grad_w", a["grad_w"], v.shape)
+    _numel(op, "saved_g", a["saved_g"], n)
+    _numel(op, "saved_norms", a["saved_norms"], n)
+
+
+def _cdist_backward(a: Named) -> None:
+    op, x1, x2 = "cdist backward", a["x1"], a["x2"]
+    if x1.dim() < 2 or x2.dim() < 2:
+        return
+    try:
+        batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    except RuntimeError:
+        return  # the kernel refuses it itself
+    want = (*batch, x1.size(-2), x2.size(-2))
+    _shape(op, "grad", a["grad"], want)
+    _shape(op, "cdist", a["cdist"], want)
+
+
+def _pdist_backward(a: Named) -> None:
+    op, x = "pdist backward", a["self"]
+    n = x.size(0) if x.dim() else 0
+    _numel(op, "grad", a["grad"], n * (n - 1) // 2)
+    _numel(op, "pdist", a["pdist"], n * (n - 1) // 2)
+
+
+def _grad_like(grad: str, like: str, what: str) -> Check:
+    def check(a: Named) -> None:
+        _shape(what, grad, a[grad], a[like].shape)
+    return check
+
+
+def _adaptive_avg_backward(k: int) -> Check:
+    def check(a: Named) -> None:
+        g, x = a["grad_output"], a["self"]
+        if g.dim() != x.dim() or g.shape[:-k] != x.shape[:-k]:
+            _fail("adaptive_avg_pool backward", f"grad_output of shape {tuple(g.shape)} does not match the input's "
+                                                f"{tuple(x.shape)} outside the pooled dims")
+    return check
+
+
+def _grid_backward(a: Named) -> None:
+    g, x, grid = a["grad_output"], a["input"], a["grid"]
+    if x.dim() >= 2 and grid.dim() >= 2:
+        _shape("grid_sampler backward", "grad_output", g, (x.size(0), x.size(1), *grid.shape[1:-1]))
+
+
+def _margin_backward(a: Named) -> None:
+    x = a["self"]
+    n = x.size(0) if x.dim() == 2 else 1
+    _numel("margin loss backward", "grad_output", a["grad_output"], n if int(a["reduction"]) == 0 else 1)
+
+
+CHECKS: dict[str, Check] = {
+    "max_pool2d_with_indices_backward": _pool(2), "adaptive_max_pool2d_backward": _pool(2),
+    "fractional_max_pool2d_backward": _pool(2), "max_pool3d_with_indices_backward": _pool(3),
+    "adaptive_max_pool3d_backward": _pool(3), "fractional_max_pool3d_backward": _pool(3),
+    "fractional_max_pool2d": _fractional(2), "fractional_max_pool3d": _fractional(3),
+    "embedding_dense_backward": _embedding_backward, "embedding_backward": _embedding_backward,
+    "_embedding_bag": _bag_forward, "_embedding_bag_forward_only": _bag_forward, "embedding_bag": _bag_forward,
+    "_embedding_bag_backward": _bag_backward, "_embedding_bag_dense_backward": _bag_backward,
+    "_embedding_bag_per_sample_weights_backward": _bag_psw_backward,
+    "segment_reduce": _segments, "_segment_reduce_backward": _segments,
+    "_ctc_loss": _ctc, "ctc_loss": _ctc, "_ctc_loss_backward": _ctc,
+    **{n: _batch_norm for n in ("native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+                                "_batch_norm_with_update", "_batch_norm_with_update_functional", "_batch_norm_no_update",
+                                "batch_norm_update_stats", "native_batch_norm_backward", "batch_norm_backward",
+                                "batch_norm", "_batch_norm_impl_index", "_batch_norm_impl_index_backward",
+                                "instance_norm", "_native_batch_norm_legit_functional")},
+    "native_layer_norm_backward": _layer_norm_backward,
+    "_weight_norm_interface_backward": _weight_norm_backward,
+    "_cdist_backward": _cdist_backward, "_pdist_backward": _pdist_backward,
+    "_log_softmax_backward_data": _grad_like("grad_output", "output", "log_softmax backward"),
+    "_softmax_backward_data": _grad_like("grad_output", "output", "softmax backward"),
+    "_adaptive_avg_pool2d_backward": _adaptive_avg_backward(2),
+    "_adaptive_avg_pool3d_backward": _adaptive_avg_backward(3),
+    "grid_sampler_2d_backward": _grid_backward, "grid_sampler_3d_backward": _grid_backward,
+    "multi_margin_loss_backward": _margin_backward, "multilabel_margin_loss_backward": _margin_backward,
+}
+
+
+def checker(op: Any) -> Callable[[list[Any], dict[str, Any]], None] | None:
+    """The position check of ATen overload ``op`` on its bound ``(args, kwargs)``, or None."""
+    check = CHECKS.get(op._schema.name.split("::")[-1])
+    if check is None:
+        return None
+    names = [a.name for a in op._schema.arguments if not a.kwarg_only]
+
+    def run(args: list[Any], kwargs: dict[str, Any]) -> None:
+        named = dict(zip(names, args))
+        named.update(kwargs)
+        check(named)
+    return run
+
+
+__all__ = ["checker", "CHECKS", "PositionError"]
