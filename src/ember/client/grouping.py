@@ -135,3 +135,37 @@ class GroupHolding:
         if len(p) >= self.max_batch:  # (every caller flushes or arms the idle timer next)
             self._flush_locked(False)
         return True
+
+    # ---- whole graphs captured by a frontend (ember.torch.capture, torch.compile) -------------
+    def graph_entry(self, c: Any) -> Any:
+        """The registration of a captured graph (a :class:`~ember.client.graph.Canon`), or None when this
+        session cannot replay graphs (the peer caches none) or its id collides with another body."""
+        if not self._g_on or len(c.shape) > m.MAX_GRAPH_OPS:
+            return None
+        with self._lock:
+            return self._gtable.entry_for(c)
+
+    def replay_graph(self, e: Any, n_ops: int, inputs: list[int], outs: list[int], scalars: list[Any] | None = None) -> None:
+        """Queue one REPLAY of a captured graph (its GRAPH first when the peer's cache lacks it): a
+        boundary, as a read is. ``outs`` may name ids the session already holds: the peer replaces them."""
+        if self.lost is not None:
+            raise self._lost_error()
+        with self._lock:
+            g = self._grp
+            if g is None or g:
+                self._end_group()
+            table = self._gtable
+            table.touch(e)
+            p = self._pending
+            if table.needs_register(e.gid):
+                p.append(e.wire)
+                self.stats["graphs"] += 1
+            p.append([m.REPLAY, e.gid, inputs, outs, e.overrides(scalars) if scalars is not None else []])
+            self.stats["replays"] += 1
+            self.stats["replayed_ops"] += n_ops
+            self._active = True
+            if not self._ticking:
+                self._ticking = True
+                self.loop.call_soon_threadsafe(self._arm_tick)
+            if len(p) >= self.max_batch:
+                self._flush_locked(False)
