@@ -145,9 +145,10 @@ class GroupHolding:
         with self._lock:
             return self._gtable.entry_for(c)
 
-    def replay_graph(self, e: Any, n_ops: int, inputs: list[int], outs: list[int], scalars: list[Any] | None = None) -> None:
+    def replay_graph(self, e: Any, n_ops: int, inputs: list[int], outs: list[int], overrides: list[Any]) -> None:
         """Queue one REPLAY of a captured graph (its GRAPH first when the peer's cache lacks it): a
-        boundary, as a read is. ``outs`` may name ids the session already holds: the peer replaces them."""
+        boundary, as a read is. ``outs`` may name ids the session already holds: the peer replaces them.
+        ``overrides``: ``e.overrides(scalars)`` for the scalars this replay runs with."""
         if self.lost is not None:
             raise self._lost_error()
         with self._lock:
@@ -160,7 +161,7 @@ class GroupHolding:
             if table.needs_register(e.gid):
                 p.append(e.wire)
                 self.stats["graphs"] += 1
-            p.append([m.REPLAY, e.gid, inputs, outs, e.overrides(scalars) if scalars is not None else []])
+            p.append([m.REPLAY, e.gid, inputs, outs, overrides])
             self.stats["replays"] += 1
             self.stats["replayed_ops"] += n_ops
             self._active = True

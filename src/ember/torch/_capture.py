@@ -249,6 +249,9 @@ class _Plan:
 
     def __init__(self, rec: _Recording, entry: Any, session: Any) -> None:
         self.entry, self.session, self.n_ops = entry, session, len(rec.c.shape)
+        # (the graph id hashes the structure, not the scalars: a graph registered with another learning rate
+        # serves this one too, with the scalars that differ overridden in every REPLAY)
+        self.over = entry.overrides(rec.c.scalars)
         left = {sid: j for j, sid in enumerate(rec.left)}
         self.ins: list[int] = []
         self.argpos: list[tuple[int, int]] = []
@@ -290,7 +293,7 @@ class _Plan:
         new: dict[int, int] = {}
         for sid, k in self.retpos.items():
             outs[k] = new[sid] = next(ids)
-        s.replay_graph(self.entry, self.n_ops, ins, outs)
+        s.replay_graph(self.entry, self.n_ops, ins, outs, self.over)
         storages: dict[int, Any] = {}
         leaves: list[Any] = []
         for x in self.rets:
