@@ -213,3 +213,33 @@ def test_a_non_capturable_adam_is_refused_with_a_hint(peer: ember.Device) -> Non
         for _ in range(8):
             step(x)
     assert step.why is not None
+
+
+def test_a_compiled_model_inside_a_captured_step_is_recorded_into_its_graph() -> None:
+    """torch.compile's graphs (forward here, backward on autograd's device thread) re-record their ops
+    while a capture records, so the captured graph holds all of them: bit-equal to eager."""
+    def run(captured: bool) -> tuple[list[float], list[Any]]:
+        torch.manual_seed(0)
+        model = W.MLP(16, 32, 4).to("ember")
+        fwd = torch.compile(model, backend="ember")
+        o = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+
+        def step(x: Any, y: Any) -> Any:
+            o.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(fwd(x), y)
+            loss.backward()
+            o.step()
+            return loss
+        run_step = ember.torch.capture(step) if captured else step
+        g = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(12):
+            x, y = W.classification_batch(g, 32, (16,), 4)
+            losses.append(run_step(x.to("ember"), y.to("ember")).item())
+        return losses, [p.detach().cpu() for p in model.parameters()]
+    with ember.connect("local:torch"):
+        eager = run(False)
+        before = dict(C.stats)
+        captured = run(True)
+    same(eager, captured)
+    assert C.stats["replays"] >= before["replays"] + 8

@@ -37,7 +37,6 @@ peer runs the same ops on the same data.
 
 from __future__ import annotations
 
-import threading
 import warnings
 import weakref
 from typing import Any, Callable
@@ -56,7 +55,7 @@ from ._storage import StorageRef, new_tensor
 TRIES = 4  # recordings in a row without a replayable pair before a step runs eagerly for good
 #: steps recorded, calls replayed, calls run eagerly (given up), graphs made
 stats = {"recorded": 0, "replays": 0, "eager": 0, "captures": 0}
-_state = threading.local()  # .recording: a capture is tapping this thread's ops (torch.compile re-records)
+_recording = [0]  # captures recording now (any thread: autograd runs compiled backward graphs on its own)
 _KINDS = {v: k for k, v in vars(m).items() if k.isupper() and type(v) is int and k in (
     "UPLOAD", "READ", "SYNC", "CUSTOM", "SHAPE", "GRAPH", "REPLAY", "EXPOSE", "FETCH", "MOVE", "CLOSE")}
 
@@ -66,15 +65,15 @@ class CaptureWarning(UserWarning):
 
 
 def recording() -> bool:
-    """Is a capture recording on this thread? (then torch.compile's graphs are recorded op by op)"""
-    return getattr(_state, "recording", False)
+    """Is a capture recording? (then torch.compile's graphs are recorded op by op, into the capture's graph)"""
+    return _recording[0] > 0
 
 
 class _Tap:
     """What one call asks of its session: the ops, the ids released, the refs made and used, and why
     (if at all) the call cannot be a graph."""
 
-    _NAMES = ("record", "release", "request", "upload", "send_alone")
+    _NAMES = ("record", "release", "request", "upload", "send_alone", "replay_graph")
 
     def __init__(self, session: Any) -> None:
         self.s = session
@@ -114,7 +113,13 @@ class _Tap:
         def send_alone(msg: list[Any]) -> None:
             self.refuse(f"sends a {_KINDS.get(msg[0], msg[0])} message")
             real_alone(msg)
+        real_replay = s.replay_graph
+
+        def replay_graph(*a: Any, **k: Any) -> None:
+            self.refuse("replays another captured graph")
+            real_replay(*a, **k)
         s.record, s.release, s.request, s.upload, s.send_alone = record, release, request, upload, send_alone
+        s.replay_graph = replay_graph
         refs = self.refs
 
         def note(used: list[StorageRef], fresh: list[StorageRef]) -> None:  # (weakly: temporaries must die)
@@ -128,11 +133,11 @@ class _Tap:
                           lambda mod, _a: mods.setdefault(id(mod), mod) and None),
                       _opt_hook(
                           lambda opt, _a, _k: opts.setdefault(id(opt), opt) and None)]
-        _state.recording = True
+        _recording[0] += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _state.recording = False
+        _recording[0] -= 1
         for h in self.hooks:
             h.remove()
         D.note = self.prev_note
