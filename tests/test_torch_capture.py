@@ -243,3 +243,29 @@ def test_a_compiled_model_inside_a_captured_step_is_recorded_into_its_graph() ->
         captured = run(True)
     same(eager, captured)
     assert C.stats["replays"] >= before["replays"] + 8
+
+
+def test_state_a_step_rebinds_is_read_then_rewritten_in_place(peer: ember.Device) -> None:
+    """An attribute rebound every step (a running average of the loss) is the previous call's leftover:
+    the replay reads it and rewrites it under the id the client holds, so the Python object sees it."""
+    def run(captured: bool) -> tuple[list[float], float]:
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 2).to("ember")
+        o = torch.optim.SGD(lin.parameters(), lr=0.1)
+        keep = {"avg": torch.zeros(()).to("ember")}
+
+        def step(x: Any) -> Any:
+            o.zero_grad(set_to_none=True)
+            loss = (lin(x) - 1).square().mean()
+            loss.backward()
+            o.step()
+            keep["avg"] = keep["avg"] * 0.9 + loss.detach() * 0.1  # rebound: a new tensor every step
+            return loss
+        run_step = ember.torch.capture(step) if captured else step
+        x = torch.arange(12.0).reshape(3, 4).to("ember") / 10
+        losses = [run_step(x).item() for _ in range(12)]
+        return losses, keep["avg"].item()
+    eager = run(False)
+    before = dict(C.stats)
+    assert run(True) == eager
+    assert C.stats["replays"] >= before["replays"] + 8
