@@ -2,6 +2,7 @@
 
     python bench/bench_torch.py [--steps 100] [--repeat 3] [--transports memory,websocket,tcp,iroh]
                                 [--only mlp,transformer,gpt,gpt6,lstm,cpu,big,roundtrip]
+                                [--modes eager,compile,capture]
 
 * one round trip, p50 and p99 (µs): ``(a + 1).to_numpy()`` of a 1-element array and ``(a + 1).item()``
   of a 1-element torch tensor, on the embedded ``local:torch`` peer and over each transport, next to a
@@ -128,6 +129,47 @@ def compiled_step_time(kw: dict[str, Any], steps: int, backend: str = "ember") -
     return (time.perf_counter() - t0) / steps
 
 
+def captured_step_time(kw: dict[str, Any], steps: int, per_step: dict[str, float] | None = None) -> float:
+    """Seconds per step of W.train's loop as one ``ember.torch.capture``d step (forward, backward and
+    optimizer; Adam/AdamW with ``capturable=True`` so the bias corrections stay on the peer), the batch
+    uploaded every step outside it, the loss read every 10 steps; captured before the clock starts."""
+    torch.manual_seed(0)
+    m = kw["model"]().to("ember")
+    extra = {"capturable": True} if kw["opt"] in ("Adam", "AdamW") else {}
+    o = getattr(torch.optim, kw["opt"])(m.parameters(), **kw["opt_args"], **extra)
+    g = torch.Generator().manual_seed(0)
+
+    @ember.torch.capture
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        o.zero_grad(set_to_none=True)
+        out = m(x)
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        loss.backward()
+        o.step()
+        return loss
+
+    def step() -> Any:
+        x, y = kw["batch"](g)
+        return train_step(x.to("ember"), y.to("ember"))
+    for _ in range(4):
+        step()
+    step().item()
+    s = ember.torch.current_device().session
+    m0, r0 = s.stats["ops"], ember.torch.capture_stats["replays"]
+    t0, c0 = time.perf_counter(), time.process_time()
+    for k in range(steps):
+        loss = step()
+        if k % 10 == 9:
+            loss.item()
+    loss.item()
+    dt = (time.perf_counter() - t0) / steps
+    if per_step is not None:  # client CPU (all threads) and messages per step, uploads and reads included
+        per_step["client_cpu_us"] = round((time.process_time() - c0) / steps * 1e6, 1)
+        per_step["messages"] = round((s.stats["ops"] - m0) / steps, 2)
+        per_step["replayed"] = round((ember.torch.capture_stats["replays"] - r0) / steps, 2)
+    return dt
+
+
 def wire(kw: dict[str, Any], dev: ember.Device, steps: int = 6) -> dict[str, Any]:
     """Per step: ATen ops, messages and bytes sent, first step vs replayed (the loss read each step)."""
     s = dev.session
@@ -245,7 +287,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="comma-separated figures: " + ",".join([*WORKLOADS, "cpu", "big", "roundtrip"]))
     ap.add_argument("--samples", type=int, default=2000, help="round trips per latency figure")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--modes", default="eager,compile,capture",
+                    help="remote step modes besides eager on every transport: compile (torch.compile(backend="
+                         "'ember') over TCP), capture (ember.torch.capture over TCP)")
     a = ap.parse_args(argv)
+    modes = set(a.modes.split(","))
     only = set(a.only.split(","))
     torch.set_num_threads(1)
     if (os.cpu_count() or 1) >= 2:
@@ -266,12 +312,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for t, d in devs.items():
                 fns[t] = lambda kw=kw, d=d: _on(d, lambda: step_time(kw, "ember", a.steps))
             cd = devs.get("tcp") or devs.get("websocket")
-            if cd is not None:  # torch.compile(backend="ember"): graphs replayed without per-op dispatch
+            if cd is not None and "compile" in modes:  # torch.compile(backend="ember"): graphs replayed without per-op dispatch
                 fns[f"{cd.address.split(':')[0]}+compile"] = lambda kw=kw, cd=cd: _on(
                     cd, lambda: compiled_step_time(kw, a.steps))
+            if cd is not None and "capture" in modes:  # ember.torch.capture: the whole step, one REPLAY
+                fns[f"{cd.address.split(':')[0]}+capture"] = lambda kw=kw, cd=cd: _on(
+                    cd, lambda: captured_step_time(kw, a.steps))
             times = alternate(fns, a.repeat)
             fig = {k: {"steps_per_s": round(1 / v, 1), "ms_per_step": round(v * 1e3, 3),
                        "vs_local": round(times["local"] / v, 3)} for k, v in times.items()}
+            if cd is not None and "capture" in modes:
+                per: dict[str, float] = {}
+                _on(cd, lambda kw=kw, per=per: captured_step_time(kw, a.steps, per))
+                fig["capture_per_step"] = per
             wd = devs.get("websocket", devs["memory"])
             fig["wire"] = _on(wd, lambda kw=kw, wd=wd: wire(kw, wd))
             report["figures"][name] = fig
@@ -316,9 +369,13 @@ def format_report(r: dict[str, Any]) -> str:
         if name not in r["figures"]:
             continue
         fig = r["figures"][name]
-        cols = [k for k in fig if k != "wire"]
+        cols = [k for k in fig if k not in ("wire", "capture_per_step")]
         lines.append(f"  {name:12s} steps/s: " + ", ".join(
             f"{k} {fig[k]['steps_per_s']} ({fig[k]['vs_local']}x local)" for k in cols))
+        cp = fig.get("capture_per_step")
+        if cp:
+            lines.append(f"  {'':12s} captured step: {cp['messages']} messages, {cp['client_cpu_us']} µs client CPU "
+                         f"(batch upload and loss read every 10 steps included), {cp['replayed']} replays per step")
         w = fig["wire"]
         lines.append(f"  {'':12s} per step: {w['aten_ops']} ATen ops; messages {w['messages_first']} first, "
                      f"{w['messages_replayed']} replayed; bytes {w['bytes_first']} first, {w['bytes_replayed']} "

@@ -44,32 +44,48 @@ class GroupHolding:
             self._misses = 0
         else:
             self._misses += 1
-            if self._misses > 4:
+            if self._misses > 4:  # (an inner loop's period, not the step's: hold whole steps instead)
                 self._period = -1
+                self._no_period = True
 
     def _too_long(self, g: list[list[Any]]) -> None:
-        """The group outgrew a graph. If the ops repeat with a period (a loop with no read in it),
-        realign the group on that period so that soft boundaries cut it into equal steps; else stop
-        capturing until the next boundary."""
+        """The group reached ``_g_cut`` ops. If the ops repeat with a period (a loop with no read in it),
+        realign the group on that period so that soft boundaries cut it into equal steps; else let it grow
+        (a long step: an LSTM's is ~1000 ops) up to ``_g_max``, where capturing stops until the next boundary."""
+        n = len(g)
+        if n >= self._g_max:
+            self._grp = None
+            self._grp_drops = []
+            return
+        if self._no_period:
+            return
         names = [msg[1] for msg in g]
-        n = len(names)
         for p in range(max(self._g_min, self.graph_min_period), n // 2 + 1):
             if names[n - 2 * p:n - p] == names[n - p:]:  # the last two periods are the same ops
                 self._period, self._misses = p, 0
                 self._grp = []  # cut here: from the next op on, every p ops are a group
                 self._grp_drops = []
                 return
-        self._grp = None
-        self._grp_drops = []
 
     def _release_held(self) -> None:
         """The held group diverged from its candidate (or was held too long): send its ops as they are."""
         self._cand = None
         g = self._grp
         assert g is not None
+        self._spill(g)
+
+    def _spill(self, ops: list[list[Any]]) -> None:
+        """Queue held ops, in batches of at most ``max_batch`` (a group may be longer than a batch)."""
+        mb = self.max_batch
         p = self._pending
-        p.extend(g)
-        if len(p) >= self.max_batch:  # (every caller flushes or arms the idle timer next)
+        while len(p) + len(ops) > mb:
+            k = max(0, mb - len(p))
+            p.extend(ops[:k])
+            ops = ops[k:]
+            self._flush_locked(False, False)
+            p = self._pending
+        p.extend(ops)
+        if len(p) >= mb:  # (every caller flushes or arms the idle timer next)
             self._flush_locked(False)
 
     def _end_group(self) -> None:
@@ -78,16 +94,21 @@ class GroupHolding:
             return
         g, c, gdrops = self._grp, self._cand, self._grp_drops
         self._grp, self._cand, self._grp_drops = [], None, []
+        timed_out, self._timed_out = self._timed_out, None
         if not g:
             return
         if len(g) < self._g_min:
             if c is not None:
-                self._pending.extend(g)
+                self._spill(g)
             return
         dropped = set(gdrops)
         dropped.update(self._drops)
         first = g[0][1]
         cl = self._cands.get(first)
+        if timed_out is not None and c is None and len(g) == timed_out.n:
+            k = canon(g, dropped)  # it would have replayed, had it been held long enough: hold longer
+            if k is not None and timed_out.matches(k):
+                self._hold_s = min(self.graph_hold_max, max(self._hold_s, 2 * (time.monotonic() - self._hold_t0)))
         if c is not None:
             k = canon(g, dropped) if len(g) == c.n else None
             if k is not None and cl:
@@ -96,7 +117,7 @@ class GroupHolding:
                         if i:
                             cl.insert(0, cl.pop(i))
                         return
-            self._pending.extend(g)
+            self._spill(g)
         if cl is None:
             cands = self._cands
             if len(cands) >= 64:
@@ -135,3 +156,38 @@ class GroupHolding:
         if len(p) >= self.max_batch:  # (every caller flushes or arms the idle timer next)
             self._flush_locked(False)
         return True
+
+    # ---- whole graphs captured by a frontend (ember.torch.capture, torch.compile) -------------
+    def graph_entry(self, c: Any) -> Any:
+        """The registration of a captured graph (a :class:`~ember.client.graph.Canon`), or None when this
+        session cannot replay graphs (the peer caches none) or its id collides with another body."""
+        if not self._g_on or len(c.shape) > m.MAX_GRAPH_OPS:
+            return None
+        with self._lock:
+            return self._gtable.entry_for(c)
+
+    def replay_graph(self, e: Any, n_ops: int, inputs: list[int], outs: list[int], overrides: list[Any]) -> None:
+        """Queue one REPLAY of a captured graph (its GRAPH first when the peer's cache lacks it): a
+        boundary, as a read is. ``outs`` may name ids the session already holds: the peer replaces them.
+        ``overrides``: ``e.overrides(scalars)`` for the scalars this replay runs with."""
+        if self.lost is not None:
+            raise self._lost_error()
+        with self._lock:
+            g = self._grp
+            if g is None or g:
+                self._end_group()
+            table = self._gtable
+            table.touch(e)
+            p = self._pending
+            if table.needs_register(e.gid):
+                p.append(e.wire)
+                self.stats["graphs"] += 1
+            p.append([m.REPLAY, e.gid, inputs, outs, overrides])
+            self.stats["replays"] += 1
+            self.stats["replayed_ops"] += n_ops
+            self._active = True
+            if not self._ticking:
+                self._ticking = True
+                self.loop.call_soon_threadsafe(self._arm_tick)
+            if len(p) >= self.max_batch:
+                self._flush_locked(False)

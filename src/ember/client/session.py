@@ -54,8 +54,8 @@ class ClientSession(BulkData, LaneData, GroupHolding):
     def __init__(self, conn: FrameConnection, welcome: dict[str, Any], loop: asyncio.AbstractEventLoop, *,
                  address: str, device: int, read_timeout: float = 300.0, idle_flush: float = 0.002,
                  max_batch: int = 512, heartbeat_interval: float = 1.0, heartbeat_timeout: float = 5.0,
-                 graphs: bool = True, graph_min_ops: int = 8, graph_max_ops: int = 1024,
-                 graph_hold: float = 0.02, graph_min_period: int = 128, lanes: int = 0,
+                 graphs: bool = True, graph_min_ops: int = 8, graph_max_ops: int = 4096,
+                 graph_hold: float = 0.02, graph_hold_max: float = 1.0, graph_min_period: int = 128, lanes: int = 0,
                  dial_lane: Any = None, session_id: bytes = b"") -> None:
         self.conn, self.welcome, self.loop, self.address, self.device = conn, welcome, loop, address, device
         self.read_timeout, self.idle_flush, self.max_batch = read_timeout, idle_flush, max_batch
@@ -84,8 +84,14 @@ class ClientSession(BulkData, LaneData, GroupHolding):
         # op-graph caching: the current group, held or shadow-captured (None: not capturing)
         gcap = int(limits.get("graph_cache", 0))
         self._g_on = bool(graphs) and gcap > 0
-        self._g_min, self._g_max = max(2, graph_min_ops), min(graph_max_ops, max_batch, m.MAX_GRAPH_OPS)
+        # (a held group longer than a batch goes out in batches when it is released: _spill)
+        self._g_min, self._g_max = max(2, graph_min_ops), min(graph_max_ops, m.MAX_GRAPH_OPS)
+        self._g_cut = min(1024, max_batch, self._g_max)  # a group this long: look for a period to cut on
+        self._no_period = False  # cutting on a period never replayed: groups grow to _g_max instead
         self.graph_hold, self.graph_min_period = graph_hold, graph_min_period
+        self.graph_hold_max = max(graph_hold, graph_hold_max)
+        self._hold_s = graph_hold  # how long a group is held: learned (_end_group), up to graph_hold_max
+        self._timed_out: Candidate | None = None  # the candidate whose hold the tick just gave up
         self._grp: list[list[Any]] | None = [] if self._g_on else None
         self._grp_drops: list[int] = []
         self._cand: Candidate | None = None
@@ -135,7 +141,7 @@ class ClientSession(BulkData, LaneData, GroupHolding):
                             self._start_hold(cl[0], msg)
                             return
                     g.append(msg)
-                    if n >= self._g_max:
+                    if n >= self._g_cut and (n == self._g_cut or n >= self._g_max):
                         self._too_long(g)
             elif g is None or g:
                 self._end_group()
@@ -160,15 +166,16 @@ class ClientSession(BulkData, LaneData, GroupHolding):
         with self._lock:
             self._flush_locked()
 
-    def _flush_locked(self, boundary: bool = True) -> None:
-        """Encode and queue the pending batch. ``boundary``: also end the current op group."""
+    def _flush_locked(self, boundary: bool = True, drops_too: bool = True) -> None:
+        """Encode and queue the pending batch. ``boundary``: also end the current op group; ``drops_too``:
+        False while a long group goes out in batches (a release must follow every op recorded before it)."""
         if boundary:
             g = self._grp
             if g is None or g:
                 self._end_group()
         p = self._pending
         drops = self._drops
-        if drops:
+        if drops and drops_too:
             ids = []
             while drops:
                 ids.append(drops.popleft())
@@ -273,7 +280,8 @@ class ClientSession(BulkData, LaneData, GroupHolding):
     def _tick(self) -> None:
         """Every ``idle_flush`` while in use: send what waits; give up holding a group past ``graph_hold``."""
         with self._lock:
-            if self._cand is not None and time.monotonic() - self._hold_t0 >= self.graph_hold:
+            if self._cand is not None and time.monotonic() - self._hold_t0 >= self._hold_s:
+                self._timed_out = self._cand  # (if the group still matches it at its end, hold longer next time)
                 self._release_held()
             if self._cand is None and (self._pending or self._drops):
                 self._flush_locked(False)

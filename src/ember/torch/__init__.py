@@ -38,6 +38,8 @@ from ._dispatch import counters  # noqa: E402
 from ._transfer import device_of, from_array, to_array, to_device  # noqa: E402
 from .mesh import Mesh, MeshError, MeshPeerLost, mesh  # noqa: E402
 from .data_parallel import DataParallel  # noqa: E402
+from ._capture import CaptureWarning, capture  # noqa: E402
+from ._capture import stats as capture_stats  # noqa: E402
 
 
 def compiler(gm: "torch.fx.GraphModule", example_inputs: list) -> "object":  # type: ignore[name-defined]
@@ -46,5 +48,5 @@ def compiler(gm: "torch.fx.GraphModule", example_inputs: list) -> "object":  # t
     from ._compile import compiler as compile_graph
     return compile_graph(gm, example_inputs)
 
-__all__ = ["mesh", "Mesh", "MeshError", "MeshPeerLost", "DataParallel", "compiler", "to_device", "device_of", "from_array", "to_array", "current_device", "counters", "NotATorchDevice",
+__all__ = ["capture", "CaptureWarning", "capture_stats", "mesh", "Mesh", "MeshError", "MeshPeerLost", "DataParallel", "compiler", "to_device", "device_of", "from_array", "to_array", "current_device", "counters", "NotATorchDevice",
            "WrongDevice", "UnsupportedTorch", "register"]

@@ -23,7 +23,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..client.graph import canon
 from ..protocol import messages as m
+from ._capture import recording
 from ._devices import apply_seed, materialize
 from ._storage import StorageRef, live_session, new_tensor
 
@@ -34,13 +36,34 @@ stats = {"captures": 0, "replays": 0, "eager": 0}
 
 
 class _Trace:
-    """One capture: the messages, which sids were the inputs', and how to rebuild the outputs."""
+    """One capture: the messages, which sids were the inputs', and how to rebuild the outputs; and, once
+    registered, the graph a call replays (``graph``: None until tried, False when it cannot be one)."""
 
-    __slots__ = ("messages", "inputs", "fresh", "kept", "outputs")
+    __slots__ = ("messages", "inputs", "fresh", "kept", "outputs", "graph")
 
     def __init__(self, messages: list[list[Any]], inputs: list[int], fresh: list[int], kept: list[Any],
                  outputs: list[tuple[Any, ...]]) -> None:
         self.messages, self.inputs, self.fresh, self.kept, self.outputs = messages, inputs, fresh, kept, outputs
+        self.graph: Any = None
+
+
+class _Graph:
+    """A trace as one registered graph: REPLAY inputs (recorded sids) and kept outputs (recorded sids)."""
+
+    __slots__ = ("entry", "n_ops", "inputs", "outs", "over")
+
+    def __init__(self, entry: Any, c: Any, fresh: list[int]) -> None:
+        self.entry, self.n_ops, self.inputs = entry, len(c.shape), c.inputs
+        self.outs = [fresh[s] for s in c.kept]
+        self.over = entry.overrides(c.scalars)
+
+
+def _as_graph(t: _Trace, session: Any) -> Any:
+    """The trace's graph on this session (intermediates never get an id), or False."""
+    outs = {o[1] for o in t.outputs if o[0] == "fresh"}
+    c = canon(t.messages, set(t.fresh) - outs)
+    entry = session.graph_entry(c) if c is not None else None
+    return False if entry is None else _Graph(entry, c, t.fresh)
 
 
 def _replayable(msgs: list[list[Any]]) -> bool:
@@ -97,11 +120,15 @@ class Replayer:
             if threading.get_ident() == me:  # (another thread's ops on this session are not the graph's)
                 msgs.append(msg)
             real(msg)
+        outer = session.__dict__.get("record")  # (an ember.torch.capture recording around this call)
         session.record = capturing
         try:
             out = self.gm(*args)
         finally:
-            del session.record
+            if outer is None:
+                del session.record
+            else:
+                session.record = outer
         trace = self._trace(msgs, out, refs, session)
         stats["captures" if trace is not None else "eager"] += 1
         return out, trace
@@ -150,11 +177,17 @@ class Replayer:
             r = s._ember
             live_session(r)
             sub[r.sid] = r.sid
-        record = session.record
-        for msg in t.messages:
-            a = msg[2]
-            record([msg[0], msg[1], [a[0], *[sub[x] for x in a[1:]]] if a else a, msg[3],
-                    [new[o] for o in msg[4]], msg[5]])
+        if t.graph is None:
+            t.graph = _as_graph(t, session)
+        g = t.graph
+        if g and not recording():  # one REPLAY (inside ember.torch.capture: the ops, for its own graph)
+            session.replay_graph(g.entry, g.n_ops, [sub[x] for x in g.inputs], [new[o] for o in g.outs], g.over)
+        else:
+            record = session.record
+            for msg in t.messages:
+                a = msg[2]
+                record([msg[0], msg[1], [a[0], *[sub[x] for x in a[1:]]] if a else a, msg[3],
+                        [new[o] for o in msg[4]], msg[5]])
         device = first.device
         storages: dict[int, Any] = {}
         outs: list[Any] = []
@@ -177,9 +210,10 @@ class Replayer:
             else:
                 x = new_tensor(dtype, size, stride, offset, storage=t.kept[o[1]])
             outs.append(x.requires_grad_() if grad else x)
-        for f, sid in new.items():
-            if sid not in storages:
-                session.release(sid)  # an intermediate: freed on the peer after the ops that use it
+        if not g or recording():
+            for f, sid in new.items():
+                if sid not in storages:
+                    session.release(sid)  # an intermediate: freed on the peer after the ops that use it
         stats["replays"] += 1
         return outs
 
@@ -214,7 +248,10 @@ def compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..
 
     def compile_graph(g: torch.fx.GraphModule, _inputs: list[Any]) -> Callable[..., Any]:
         return make_boxed_func(Replayer(g))
-    return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph)(gm, example_inputs)
+    # (an inference graph that writes its inputs, as a compiled optimizer step does, keeps those writes in
+    # the graph: replayed in place on the peer rather than copied back op by op on the client)
+    return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph,
+                        keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 __all__ = ["compiler", "Replayer", "stats"]

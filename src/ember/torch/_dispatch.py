@@ -31,6 +31,8 @@ _CACHE_MAX = 1 << 16
 #: Ops handled by ``_patches`` instead of the generic path (id(op) -> handler).
 SPECIAL: dict[int, Callable[..., Any]] = {}
 counters = {"ops": 0, "messages": 0, "cache_misses": 0}
+#: Set while ``ember.torch.capture`` records a step: told each call's operand and fresh storages.
+note: Callable[[list[StorageRef], list[StorageRef]], None] | None = None
 
 
 def _walk(i: OpInfo, values: list[Any]) -> tuple[list[Any], list[torch.Tensor], list[StorageRef], list[Any],
@@ -223,6 +225,8 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
         fresh = [StorageRef(sid, s, dev) for sid in outs]
     else:
         fresh = [StorageRef(next(s.ids), s, dev, pending=nb) for nb in plan.fresh_nbytes]
+    if note is not None:
+        note(refs, fresh)
     for j, size, stride, off in plan.relayout:
         t = operands[j]
         set_layout(t, t.untyped_storage(), off, size, stride)

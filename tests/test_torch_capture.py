@@ -1,0 +1,271 @@
+"""ember.torch.capture(step): a whole training step recorded twice, then one REPLAY per call
+(ember/torch/_capture.py) — bit-equal to the same step run eagerly, on the embedded peer and over TCP."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import warnings
+from typing import Any, Callable, Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn, F = torch.nn, torch.nn.functional
+
+import ember  # noqa: E402
+import ember.torch  # noqa: E402,F401
+from ember.torch import _capture as C  # noqa: E402
+from ember.torch import workloads as W  # noqa: E402
+from test_core_cli import address_of, spawn_serve  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def tcp_peer() -> Iterator[str]:
+    """``ember serve --device torch:cpu --tcp 127.0.0.1:0`` in its own process, for the whole module."""
+    p = spawn_serve("--device", "torch:cpu", "--no-iroh", "--tcp", "127.0.0.1:0", stderr=subprocess.DEVNULL,
+                    env={**os.environ, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        yield address_of(p, r"listening on (tcp://\S+)", timeout=45)
+    finally:
+        p.terminate()
+        p.wait(15)
+
+
+@pytest.fixture(params=["embedded", "tcp"])
+def peer(request: pytest.FixtureRequest) -> Iterator[ember.Device]:
+    if request.param == "embedded":
+        d = ember.connect("local:torch")
+    else:
+        d = ember.connect(request.getfixturevalue("tcp_peer"))
+    with d:
+        yield d
+    d.close()
+
+
+class LSTMLM(nn.Module):
+    """Embedding, a 2-layer LSTM whose state is carried from step to step, a linear decoder."""
+
+    def __init__(self, vocab: int = 30, d: int = 12) -> None:
+        super().__init__()
+        self.emb, self.rnn, self.dec = nn.Embedding(vocab, d), nn.LSTM(d, d, 2, batch_first=True), nn.Linear(d, vocab)
+
+    def forward(self, idx: Any, state: Any) -> Any:
+        out, state = self.rnn(self.emb(idx), state)
+        return self.dec(out), state
+
+
+def _lm_loss(out: Any, y: Any) -> Any:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+#: name -> (model, batch, loss, optimizer)
+WORKLOADS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any, Any], Any], Callable[..., Any]]] = {
+    "mlp-adamw": (lambda: W.MLP(16, 32, 4), lambda g: W.classification_batch(g, 32, (16,), 4), F.cross_entropy,
+                  lambda ps: torch.optim.AdamW(ps, lr=1e-2, capturable=True)),
+    "gpt": (lambda: W.TinyLM(vocab=40, d=32, heads=4, layers=2, ctx=16), W.lm_batch(40, 4, 16), _lm_loss,
+            lambda ps: torch.optim.AdamW(ps, lr=3e-3, capturable=True)),
+    "cnn-batchnorm": (W.CNN, W.image_batch(4), F.cross_entropy,
+                      lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)),
+    "lstm": (LSTMLM, W.lm_batch(30, 4, 6), _lm_loss, lambda ps: torch.optim.SGD(ps, lr=0.5)),
+}
+
+
+def train(name: str, captured: bool, steps: int = 100, batches: Callable[[int], Any] | None = None,
+          lr_at: int = -1) -> tuple[list[float], list[Any]]:
+    """The same loop eagerly or with the step captured: losses read every 10 steps, final params."""
+    make, batch, loss_fn, opt = WORKLOADS[name]
+    torch.manual_seed(0)
+    model = make().to("ember")
+    torch.manual_seed(1)
+    o = opt(model.parameters())
+    lstm = name == "lstm"
+
+    def step(x: Any, y: Any, *state: Any) -> Any:
+        o.zero_grad(set_to_none=True)
+        if lstm:
+            out, state = model(x, state)
+            loss = loss_fn(out, y)
+        else:
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        o.step()
+        return (loss, *(s.detach() for s in state)) if lstm else loss
+    run = ember.torch.capture(step) if captured else step
+    g = torch.Generator().manual_seed(2)
+    state = tuple(torch.zeros(2, 4, 12).to("ember") for _ in range(2)) if lstm else ()
+    losses = []
+    for k in range(steps):
+        if k == lr_at:
+            for group in o.param_groups:
+                group["lr"] *= 0.5
+        x, y = batches(k) if batches is not None else batch(g)
+        res = run(x.to("ember"), y.to("ember"), *state)
+        loss, state = (res[0], res[1:]) if lstm else (res, ())
+        if k % 10 == 9:
+            losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in [*model.parameters(), *model.buffers()]]
+
+
+def same(a: Any, b: Any) -> None:
+    assert a[0] == b[0], f"losses differ: {a[0]} vs {b[0]}"
+    assert len(a[1]) == len(b[1])
+    for p, q in zip(a[1], b[1]):
+        assert torch.equal(p, q), f"parameters differ by {(p.double() - q.double()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_captured_steps_are_bit_equal_to_eager_over_100_steps(peer: ember.Device, name: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", C.CaptureWarning)  # every workload is held: no fallback
+        eager = train(name, False)
+        before = dict(C.stats)
+        captured = train(name, True)
+    same(eager, captured)
+    assert C.stats["captures"] == before["captures"] + 1
+    assert C.stats["replays"] >= before["replays"] + 95  # recorded at most 3 times, replayed from then on
+
+
+def test_a_new_learning_rate_or_layout_is_recorded_again(peer: ember.Device) -> None:
+    g = torch.Generator().manual_seed(3)
+    data = [W.classification_batch(g, 32 if k < 20 else 16, (16,), 4) for k in range(40)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", C.CaptureWarning)
+        eager = train("mlp-adamw", False, 40, batches=data.__getitem__, lr_at=10)
+        before = dict(C.stats)
+        captured = train("mlp-adamw", True, 40, batches=data.__getitem__, lr_at=10)
+    same(eager, captured)
+    assert C.stats["captures"] == before["captures"] + 3  # batch 32, then a new lr, then batch 16
+    assert C.stats["replays"] >= before["replays"] + 40 - 3 * 3
+
+
+def test_messages_per_replayed_step_do_not_grow_with_the_model(tcp_peer: str) -> None:
+    per_step = {}
+    with ember.connect(tcp_peer) as dev:
+        s = dev.session
+        for name in ("mlp-adamw", "gpt"):
+            make, batch, loss_fn, opt = WORKLOADS[name]
+            model = make().to("ember")
+            o = opt(model.parameters())
+
+            @ember.torch.capture
+            def step(x: Any, y: Any) -> Any:
+                o.zero_grad(set_to_none=True)
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                o.step()
+                return loss
+            x, y = (t.to("ember") for t in batch(torch.Generator().manual_seed(0)))
+            for _ in range(4):
+                step(x, y)
+            dev.sync()
+            m0, r0, ops0 = s.stats["ops"], C.stats["replays"], ember.torch.counters["ops"]
+            for _ in range(20):
+                loss = step(x, y)
+            loss.item()
+            assert C.stats["replays"] == r0 + 20 and ember.torch.counters["ops"] == ops0  # no op dispatched
+            per_step[name] = (s.stats["ops"] - m0) / 20
+    # one REPLAY and the previous loss's DROP per step (plus the READ): whatever the model's op count
+    assert per_step["mlp-adamw"] <= 3 and per_step["gpt"] <= 3, per_step
+
+
+def test_a_step_that_reads_a_value_runs_eagerly_with_one_warning(peer: ember.Device) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 2).to("ember")
+    o = torch.optim.SGD(lin.parameters(), lr=0.1)
+
+    def step(x: Any) -> float:
+        o.zero_grad()
+        loss = lin(x).square().mean()
+        loss.backward()
+        o.step()
+        return loss.item()  # a read inside the step: the capture cannot hold it
+    run = ember.torch.capture(step)
+    x = torch.ones(3, 4).to("ember")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [run(x) for _ in range(8)]
+    said = [w for w in caught if issubclass(w.category, C.CaptureWarning)]
+    assert len(said) == 1 and "reads a value" in str(said[0].message)
+    torch.manual_seed(0)
+    lin2 = nn.Linear(4, 2).to("ember")
+    o = torch.optim.SGD(lin2.parameters(), lr=0.1)
+    lin = lin2
+    assert got == [step(x) for _ in range(8)]  # what eager computes
+
+
+def test_a_non_capturable_adam_is_refused_with_a_hint(peer: ember.Device) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 2).to("ember")
+    o = torch.optim.Adam(lin.parameters(), lr=0.1)  # its step count lives on the host: new scalars each step
+
+    @ember.torch.capture
+    def step(x: Any) -> Any:
+        o.zero_grad()
+        loss = lin(x).square().mean()
+        loss.backward()
+        o.step()
+        return loss
+    x = torch.ones(3, 4).to("ember")
+    with pytest.warns(C.CaptureWarning, match="capturable=True"):
+        for _ in range(8):
+            step(x)
+    assert step.why is not None
+
+
+def test_a_compiled_model_inside_a_captured_step_is_recorded_into_its_graph() -> None:
+    """torch.compile's graphs (forward here, backward on autograd's device thread) re-record their ops
+    while a capture records, so the captured graph holds all of them: bit-equal to eager."""
+    def run(captured: bool) -> tuple[list[float], list[Any]]:
+        torch.manual_seed(0)
+        model = W.MLP(16, 32, 4).to("ember")
+        fwd = torch.compile(model, backend="ember")
+        o = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+
+        def step(x: Any, y: Any) -> Any:
+            o.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(fwd(x), y)
+            loss.backward()
+            o.step()
+            return loss
+        run_step = ember.torch.capture(step) if captured else step
+        g = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(12):
+            x, y = W.classification_batch(g, 32, (16,), 4)
+            losses.append(run_step(x.to("ember"), y.to("ember")).item())
+        return losses, [p.detach().cpu() for p in model.parameters()]
+    with ember.connect("local:torch"):
+        eager = run(False)
+        before = dict(C.stats)
+        captured = run(True)
+    same(eager, captured)
+    assert C.stats["replays"] >= before["replays"] + 8
+
+
+def test_state_a_step_rebinds_is_read_then_rewritten_in_place(peer: ember.Device) -> None:
+    """An attribute rebound every step (a running average of the loss) is the previous call's leftover:
+    the replay reads it and rewrites it under the id the client holds, so the Python object sees it."""
+    def run(captured: bool) -> tuple[list[float], float]:
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 2).to("ember")
+        o = torch.optim.SGD(lin.parameters(), lr=0.1)
+        keep = {"avg": torch.zeros(()).to("ember")}
+
+        def step(x: Any) -> Any:
+            o.zero_grad(set_to_none=True)
+            loss = (lin(x) - 1).square().mean()
+            loss.backward()
+            o.step()
+            keep["avg"] = keep["avg"] * 0.9 + loss.detach() * 0.1  # rebound: a new tensor every step
+            return loss
+        run_step = ember.torch.capture(step) if captured else step
+        x = torch.arange(12.0).reshape(3, 4).to("ember") / 10
+        losses = [run_step(x).item() for _ in range(12)]
+        return losses, keep["avg"].item()
+    eager = run(False)
+    before = dict(C.stats)
+    assert run(True) == eager
+    assert C.stats["replays"] >= before["replays"] + 8
