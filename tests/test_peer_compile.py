@@ -89,3 +89,67 @@ def test_a_compiled_graph_equals_eager_within_float_tolerance() -> None:
     it2.run_batch([mlp_graph()] + [[m.REPLAY, 1, [1, 2, 3], [10 + i], []] for i in range(3)])
     assert it2.graphs.peek(1).program.comp is c and c.hits == 4  # its second and third replays
     torch.testing.assert_close(it2.tensors[12].view(torch.float32).view(4, 16), want)
+
+
+def mlp_steps(device: str, steps: int, until: Any = None) -> tuple[list[float], list[torch.Tensor]]:
+    """A small MLP + SGD, the same batch each step; ``until()`` true: stop early (after ``steps`` at least)."""
+    from ember.torch import workloads as W
+    torch.manual_seed(0)
+    model = W.MLP(8, 16, 4).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x, y = W.classification_batch(g, 32, (8,), 4)
+    x, y = x.to(device), y.to(device)
+    losses = []
+    for step in range(400):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if step + 1 >= steps and (until is None or until()):
+            break
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.timeout(400)
+def test_training_replays_through_the_compiled_path_of_a_peer_started_with_compile() -> None:
+    import ember
+    import ember.torch  # noqa: F401
+    from ember.server import Server
+    srv = Server(["torch:cpu"], compile=True)
+    srv.listen_tcp("127.0.0.1", 0)
+    addr = srv.start_in_thread()[0]
+    try:
+        with ember.connect(addr, compile=True) as d:
+            assert d.session.compiled
+            ready = lambda: srv.compiler.stats()["ready"] > 0 and srv.compiler.stats()["replays"] >= 20  # noqa: E731
+            remote = mlp_steps("ember", 30, ready)
+        stats = srv.compiler.stats()
+    finally:
+        srv.close()
+    assert stats["compiled"] >= 1 and stats["replays"] >= 20, stats
+    local = mlp_steps("cpu", len(remote[0]))
+    torch.testing.assert_close(remote[0], local[0], rtol=1e-4, atol=1e-5)
+    for p, q in zip(remote[1], local[1]):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_graphs_are_refused_by_a_peer_started_without_the_option() -> None:
+    import ember
+    import ember.torch  # noqa: F401
+    from ember.server import Server
+    srv = Server(["torch:cpu"])
+    srv.listen_tcp("127.0.0.1", 0)
+    addr = srv.start_in_thread()[0]
+    try:
+        with pytest.warns(RuntimeWarning, match="not started with --compile"):
+            d = ember.connect(addr, compile=True)
+        with d:
+            assert not d.session.compiled and srv.compiler is None
+            x = torch.arange(4.0).to("ember")
+            assert (x * 2 + 1).cpu().tolist() == [1.0, 3.0, 5.0, 7.0]  # the session is served (eagerly)
+        with ember.connect(addr) as d:  # not asked: nothing to refuse
+            assert not d.session.compiled
+    finally:
+        srv.close()

@@ -69,11 +69,14 @@ class Server:
                  max_messages: int = ClientLimits.max_messages,
                  handshake_timeout: float = ClientLimits.handshake_timeout,
                  collectives: bool = False, dist_host: str = "127.0.0.1", dist_allow: Iterable[str] = (),
+                 compile: bool = False,
                  **limits: Any) -> None:
         """``memory_limit``: bytes (or ``"16GiB"``) each device budget holds, default a safe fraction of
         RAM / device memory (host devices share one budget); ``session_memory``: per session, default
         the device's budget. ``collectives``: offer torch.distributed collectives among the peers of a
-        mesh, bound to ``dist_host`` (an IP), reaching stores on ``dist_allow`` hosts. The per-client limits are described in :mod:`ember.server.guard.limits`
+        mesh, bound to ``dist_host`` (an IP), reaching stores on ``dist_allow`` hosts. ``compile``: sessions
+        that ask for it (feature ``"compile"``) replay their graphs compiled by inductor on torch devices
+        (:mod:`.execute.compiled`). The per-client limits are described in :mod:`ember.server.guard.limits`
         (``limits`` takes the rest of :class:`~ember.server.limits.ClientLimits` by name)."""
         self.backends: list[Backend] = [d if isinstance(d, Backend) else make_backend(d) for d in devices]
         if not self.backends:
@@ -82,6 +85,10 @@ class Server:
         if collectives:  # torch.distributed among mesh peers, bound to dist_host (server/execute/collectives.py)
             from .execute.collectives import enable
             enable(self.tables, self.backends, dist_host, list(dist_allow))
+        self.compiler: Any = None
+        if compile:
+            from .execute.compiled import Compiler
+            self.compiler = Compiler()
         self.authorizer = authorizer
         self.custom_ops: dict[str, CustomOp] = dict(custom_ops or {})
         try:
@@ -357,6 +364,8 @@ class Server:
                 asyncio.run_coroutine_threadsafe(self.stop(), loop).result(timeout)
             except Exception:
                 pass
+        if self.compiler is not None:
+            self.compiler.close()
         if self._thread is not None:
             self._thread.join(timeout)
 
