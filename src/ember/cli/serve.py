@@ -177,12 +177,20 @@ def serve(args: argparse.Namespace) -> int:
     def relay_reached(ticket: str) -> None:
         print(f"ember serve: iroh relay reached; ticket {ticket}", flush=True)
 
+    told: list[str] = []
+
+    def listening(addresses: list[str]) -> None:
+        """WebSocket and TCP serve already: told before iroh waits for its relays."""
+        for a in addresses:
+            if a not in told:
+                told.append(a)
+                print(f"ember serve: listening on {a} ({describe_devices(server)})", flush=True)
+
     def ready(addresses: list[str]) -> None:
         if getattr(server, "iroh_listener", None) is not None and not server.authorizer:
             print("ember serve: note: anyone with this peer's iroh ticket can use this peer; --allow/--token to "
                   "restrict", file=sys.stderr, flush=True)
-        for a in addresses:  # WebSocket and TCP first, then the iroh ticket
-            print(f"ember serve: listening on {a} ({describe_devices(server)})", flush=True)
+        listening(addresses)  # WebSocket and TCP first, then the iroh ticket
         if server.metrics_address:
             print(f"ember serve: metrics on {server.metrics_address}", flush=True)
         if server.admin_tokens or server.admin_peers:
@@ -202,6 +210,6 @@ def serve(args: argparse.Namespace) -> int:
                       "relays, --require-relay exits instead", file=sys.stderr, flush=True)
                 lst.on_relay.append(relay_reached)
 
-    server.run(ready)
+    server.run(ready, listening)
     print("ember serve: stopped", flush=True)
     return 0

@@ -265,8 +265,10 @@ class Server:
         """Serve one session stream (what every listener calls)."""
         await drive_session(self, conn)
 
-    async def start(self) -> list[str]:
-        """Start every listener; return the addresses clients can use."""
+    async def start(self, listening: Callable[[list[str]], None] | None = None) -> list[str]:
+        """Start every listener; return the addresses clients can use. ``listening(addresses)`` is called once
+        the listeners that start at once (WebSocket, TCP) serve, before one that waits (iroh's relays), so
+        their addresses can be told (and used) without that wait."""
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         self.figures.start(ops=self._metrics_bind is not None)
@@ -274,7 +276,12 @@ class Server:
         if self._metrics_bind is not None and self._metrics_close is None:
             from .telemetry.metrics import serve_metrics
             self.metrics_address, self._metrics_close = serve_metrics(self, *self._metrics_bind)
+        told = listening is None
         for lst in self.listeners:
+            if not told and hasattr(lst, "relay_mode"):  # iroh: it may wait seconds for a relay
+                told = True
+                if self.addresses:
+                    listening(list(self.addresses))  # type: ignore[misc]
             await lst.start(self.handle)
             self.addresses.extend(lst.addresses)
             if self.peer_id is None and getattr(lst, "peer_id", None):
@@ -309,16 +316,19 @@ class Server:
         if self._stopped is not None:
             self._stopped.set()
 
-    async def serve(self, ready: Callable[[list[str]], None] | None = None) -> None:
-        """Async form of :meth:`run`: start, call ``ready(addresses)``, serve until :meth:`stop`."""
-        await self.start()
+    async def serve(self, ready: Callable[[list[str]], None] | None = None,
+                    listening: Callable[[list[str]], None] | None = None) -> None:
+        """Async form of :meth:`run`: start (``listening``: see :meth:`start`), call ``ready(addresses)``, serve
+        until :meth:`stop`."""
+        await self.start(listening)
         if ready is not None:
             ready(self.addresses)
         assert self._stopped is not None
         await self._stopped.wait()
 
-    def run(self, ready: Callable[[list[str]], None] | None = None) -> None:
-        """Serve until SIGINT or SIGTERM, then close sessions and return."""
+    def run(self, ready: Callable[[list[str]], None] | None = None,
+            listening: Callable[[list[str]], None] | None = None) -> None:
+        """Serve until SIGINT or SIGTERM, then close sessions and return (``listening``: see :meth:`start`)."""
         async def main() -> None:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -326,7 +336,7 @@ class Server:
                     loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
                 except (NotImplementedError, RuntimeError):
                     pass
-            await self.serve(ready)
+            await self.serve(ready, listening)
         asyncio.run(main())
 
     def start_in_thread(self, timeout: float = 30.0) -> list[str]:
