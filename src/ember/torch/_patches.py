@@ -150,6 +150,18 @@ def _install_ops() -> None:
     # ember tensors never carry torch's lazy conjugate/negative bits: conj() and _neg_view() copy
     S[aten._conj.default] = lambda op, x: D.kernel_generic(aten.conj_physical.default, x)
     S[aten._neg_view.default] = lambda op, x: D.kernel_generic(aten.neg.default, x)
+    S[aten.addbmm_.default] = _addbmm_
+
+
+def _addbmm_(op: Any, self: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, *, beta: Any = 1,
+             alpha: Any = 1) -> torch.Tensor:
+    """CPU's ``addbmm_`` runs as ``addbmm.out(self, out=self)``: a ``self`` that only broadcasts (one element) is
+    resized to the result, as there."""
+    if b1.dim() == 3 and b2.dim() == 3 and list(self.shape) != [b1.shape[1], b2.shape[2]]:
+        r = D.kernel_generic(aten.addbmm.default, self, b1, b2, beta=beta, alpha=alpha)
+        self.resize_(r.shape)
+        return self.copy_(r)
+    return D.kernel_generic(op, self, b1, b2, beta=beta, alpha=alpha)
 
 
 def _install_print() -> None:
