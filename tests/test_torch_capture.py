@@ -269,3 +269,23 @@ def test_state_a_step_rebinds_is_read_then_rewritten_in_place(peer: ember.Device
     before = dict(C.stats)
     assert run(True) == eager
     assert C.stats["replays"] >= before["replays"] + 8
+
+
+def test_zero_grad_outside_the_step_runs_eagerly_and_says_why(peer: ember.Device) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 2).to("ember")
+    o = torch.optim.SGD(lin.parameters(), lr=0.1)
+
+    @ember.torch.capture
+    def step(x: Any) -> Any:
+        loss = lin(x).square().mean()
+        loss.backward()  # new .grad tensors every call, freed by zero_grad outside: nothing to rewrite
+        o.step()
+        return loss
+    x = torch.ones(3, 4).to("ember")
+    with pytest.warns(C.CaptureWarning, match="zero_grad"):
+        losses = []
+        for _ in range(8):
+            o.zero_grad(set_to_none=True)
+            losses.append(step(x).item())
+    assert losses[0] > losses[-1] and step.why is not None

@@ -167,8 +167,8 @@ _PLAIN = (int, float, bool, str, type(None), tuple)
 class _Recording:
     """One recorded call, analysed: its canonical graph, what its inputs and results are, its signature."""
 
-    __slots__ = ("c", "sig", "tokens", "kept", "left", "rets", "spec", "watch", "ext", "n_prev", "mods", "opts",
-                 "guards")
+    __slots__ = ("c", "sig", "tokens", "kept", "left", "rets", "spec", "watch", "left_watch", "ext", "n_prev",
+                 "mods", "opts", "guards")
 
     def __init__(self) -> None:
         self.ext: set[int] = set()
@@ -234,12 +234,10 @@ def _analyse(tap: _Tap, out: Any, arg_sids: dict[int, int], prev: list[int]) -> 
         elif d in inputs:
             rec.ext.add(-1 - d)  # frees an outside tensor it reads: never the same twice
     rec.tokens, rec.rets, rec.n_prev = tokens, rets, len(prev)
-    watch = []  # the outside tensors the graph reads or rewrites: all must live for a replay
-    for sid in [*(t[1] for t in tokens if t[0] == "c"), *rec.left]:
-        w = tap.refs.get(sid)
-        if w is not None and w() is not None:
-            watch.append(w)
-    rec.watch = watch
+    refs = tap.refs  # the outside tensors the graph reads or rewrites: all must live for a replay
+    rec.left_watch = [w for w in (refs.get(sid) for sid in rec.left) if w is not None and w() is not None]
+    rec.watch = [w for w in (refs.get(t[1]) for t in tokens if t[0] == "c") if w is not None and w() is not None]
+    rec.watch += rec.left_watch
     rec.mods, rec.opts = list(tap.mods.values()), list(tap.opts.values())
     rec.guards = _guards(rec.mods, rec.opts)
     rec.sig = (codec.packb([c.shape, c.kept, [t.__name__ for t in c.types]]), c.kw_bytes(), codec.packb(c.scalars),
@@ -395,6 +393,11 @@ class Captured:
         for i, sid in enumerate(sids):
             arg_sids.setdefault(sid, i)
         prev = self.last.left if self.last is not None and self.last_key == k else []
+        if prev and any(w() is None for w in self.last.left_watch):  # type: ignore[union-attr]
+            self.last = None  # (its leftovers are gone: the next recording starts afresh)
+            self._missed("frees what it leaves behind between calls (optimizer.zero_grad() outside the step?): "
+                         "a replay cannot make new Python objects, so do that inside the step")
+            prev = []
         with _Tap(session) as tap:
             out = _detached(self.fn(*args, **kwargs))  # (the autograd graph of a result dies in the tap)
         stats["recorded"] += 1
