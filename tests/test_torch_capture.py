@@ -289,3 +289,32 @@ def test_zero_grad_outside_the_step_runs_eagerly_and_says_why(peer: ember.Device
             o.zero_grad(set_to_none=True)
             losses.append(step(x).item())
     assert losses[0] > losses[-1] and step.why is not None
+
+
+def test_a_schedule_on_a_tensor_learning_rate_replays_without_recording_again(peer: ember.Device) -> None:
+    """lr as an ember tensor: the scheduler writes it in place between steps, the graph reads it (a graph
+    input, not a scalar): a cosine schedule changes it every step and the step is captured once."""
+    def run(captured: bool) -> tuple[list[float], list[Any]]:
+        torch.manual_seed(0)
+        model = W.MLP(16, 32, 4).to("ember")
+        o = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, device="ember"), capturable=True)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=30)
+
+        def step(x: Any, y: Any) -> Any:
+            o.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            o.step()
+            return loss
+        run_step = ember.torch.capture(step) if captured else step
+        g = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(30):
+            x, y = W.classification_batch(g, 32, (16,), 4)
+            losses.append(run_step(x.to("ember"), y.to("ember")).item())
+            sched.step()
+        return losses, [p.detach().cpu() for p in model.parameters()]
+    eager = run(False)
+    before = dict(C.stats)
+    same(eager, run(True))
+    assert C.stats["captures"] == before["captures"] + 1 and C.stats["replays"] >= before["replays"] + 26

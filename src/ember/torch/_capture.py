@@ -23,7 +23,8 @@ What a replay writes (see docs/protocol.md, "Graphs and replays"):
 Guards (checked on every call, cheaply; any change records again): the arguments' structure,
 layouts, dtypes and storage sharing, and non-tensor values; grad mode; every outside tensor the
 graph reads or rewrites still alive; the ``training`` flags of the modules the step ran and the
-hyperparameters of the optimizers it stepped (a new learning rate records again). The step's
+hyperparameters of the optimizers it stepped (a new learning rate records again; one given as an
+ember tensor with ``capturable=True`` is a graph input that a scheduler changes in place). The step's
 Python runs only while recording: side effects on plain Python objects are not repeated by a
 replay (as with CUDA graphs).
 
