@@ -131,11 +131,11 @@ def compiled_step_time(kw: dict[str, Any], steps: int, backend: str = "ember") -
 
 def captured_step_time(kw: dict[str, Any], steps: int, per_step: dict[str, float] | None = None) -> float:
     """Seconds per step of W.train's loop as one ``ember.torch.capture``d step (forward, backward and
-    optimizer; Adam/AdamW with ``capturable=True`` so the bias corrections stay on the peer), the batch
+    optimizer; Adam/AdamW with ``fused=True`` so the step count and bias corrections stay on the peer), the batch
     uploaded every step outside it, the loss read every 10 steps; captured before the clock starts."""
     torch.manual_seed(0)
     m = kw["model"]().to("ember")
-    extra = {"capturable": True} if kw["opt"] in ("Adam", "AdamW") else {}
+    extra = {"fused": True} if kw["opt"] in ("Adam", "AdamW") else {}
     o = getattr(torch.optim, kw["opt"])(m.parameters(), **kw["opt_args"], **extra)
     g = torch.Generator().manual_seed(0)
 

@@ -30,9 +30,9 @@ replay (as with CUDA graphs).
 
 A step the capture cannot hold -- one that reads a value (``.item()``, ``print``, a data-dependent
 shape), uploads (``x.to("ember")`` inside the step: pass the tensors as arguments), draws on
-host state that changes every call (a non-``capturable`` optimizer's step count makes Adam's
-bias corrections new scalars each step), or never repeats -- runs eagerly for good, with one
-:class:`CaptureWarning` that says why. A replay is bit-equal to running the step eagerly: the
+host state that changes every call (a plain Adam's step count makes its bias corrections new
+scalars each step: use ``fused=True`` or ``capturable=True``), or never repeats -- runs eagerly
+for good, with one :class:`CaptureWarning` that says why. A replay is bit-equal to running the step eagerly: the
 peer runs the same ops on the same data.
 """
 
@@ -419,7 +419,7 @@ class Captured:
             return out
         if last is not None and last.sig[:2] == rec.sig[:2] and last.sig[2] != rec.sig[2]:
             self._missed("records new scalar values every call (host-side state such as a non-capturable "
-                         "optimizer's step count: construct Adam/AdamW with capturable=True)")
+                         "optimizer's step count: construct Adam/AdamW with fused=True or capturable=True)")
         else:
             self._missed("records a different program every call")
         return out
