@@ -212,6 +212,8 @@ def _analyse(tap: _Tap, out: Any, arg_sids: dict[int, int], prev: list[int]) -> 
             rets.append(("v", v))
         else:
             return f"returns a {type(v).__name__}"
+    if ret_fresh and ret_fresh & _held_by(tap.mods.values(), tap.opts.values()):
+        return "returns a tensor it also keeps (a .grad, optimizer state or buffer): return a clone"
     c = canon(msgs, gone)
     if c is None:
         return "records values a graph cannot carry"
@@ -246,6 +248,26 @@ def _analyse(tap: _Tap, out: Any, arg_sids: dict[int, int], prev: list[int]) -> 
                         if x[0] == "k" else x for x in rets], rec.spec, sorted(rec.ext),
                len(prev), len(rec.left), rec.guards)
     return rec
+
+
+def _held_by(mods: Any, opts: Any) -> set[int]:
+    """The storage ids the modules and optimizers a step ran hold: parameters, their grads, buffers, state."""
+    ts: list[Any] = []
+    for mod in mods:
+        ts.extend(mod.parameters(recurse=False))
+        ts.extend(mod.buffers(recurse=False))
+    for o in opts:
+        for g in o.param_groups:
+            ts.extend(g["params"])
+        for st in o.state.values():
+            ts.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    ts.extend([p.grad for p in ts if isinstance(p, torch.nn.Parameter) and p.grad is not None])
+    out = set()
+    for t in ts:
+        r = getattr(t.untyped_storage(), "_ember", None) if t.device.type == "ember" else None
+        if r is not None:
+            out.add(r.sid)
+    return out
 
 
 class _Plan:
