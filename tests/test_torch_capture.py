@@ -66,7 +66,7 @@ WORKLOADS: dict[str, tuple[Callable[[], Any], Callable[[Any], Any], Callable[[An
     "mlp-adamw": (lambda: W.MLP(16, 32, 4), lambda g: W.classification_batch(g, 32, (16,), 4), F.cross_entropy,
                   lambda ps: torch.optim.AdamW(ps, lr=1e-2, capturable=True)),
     "gpt": (lambda: W.TinyLM(vocab=40, d=32, heads=4, layers=2, ctx=16), W.lm_batch(40, 4, 16), _lm_loss,
-            lambda ps: torch.optim.AdamW(ps, lr=3e-3, capturable=True)),
+            lambda ps: torch.optim.AdamW(ps, lr=3e-3, fused=True)),
     "cnn-batchnorm": (W.CNN, W.image_batch(4), F.cross_entropy,
                       lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)),
     "lstm": (LSTMLM, W.lm_batch(30, 4, 6), _lm_loss, lambda ps: torch.optim.SGD(ps, lr=0.5)),
@@ -269,3 +269,69 @@ def test_state_a_step_rebinds_is_read_then_rewritten_in_place(peer: ember.Device
     before = dict(C.stats)
     assert run(True) == eager
     assert C.stats["replays"] >= before["replays"] + 8
+
+
+def test_zero_grad_outside_the_step_runs_eagerly_and_says_why(peer: ember.Device) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 2).to("ember")
+    o = torch.optim.SGD(lin.parameters(), lr=0.1)
+
+    @ember.torch.capture
+    def step(x: Any) -> Any:
+        loss = lin(x).square().mean()
+        loss.backward()  # new .grad tensors every call, freed by zero_grad outside: nothing to rewrite
+        o.step()
+        return loss
+    x = torch.ones(3, 4).to("ember")
+    with pytest.warns(C.CaptureWarning, match="zero_grad"):
+        losses = []
+        for _ in range(8):
+            o.zero_grad(set_to_none=True)
+            losses.append(step(x).item())
+    assert losses[0] > losses[-1] and step.why is not None
+
+
+def test_a_schedule_on_a_tensor_learning_rate_replays_without_recording_again(peer: ember.Device) -> None:
+    """lr as an ember tensor: the scheduler writes it in place between steps, the graph reads it (a graph
+    input, not a scalar): a cosine schedule changes it every step and the step is captured once."""
+    def run(captured: bool) -> tuple[list[float], list[Any]]:
+        torch.manual_seed(0)
+        model = W.MLP(16, 32, 4).to("ember")
+        o = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, device="ember"), capturable=True)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=30)
+
+        def step(x: Any, y: Any) -> Any:
+            o.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            o.step()
+            return loss
+        run_step = ember.torch.capture(step) if captured else step
+        g = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(30):
+            x, y = W.classification_batch(g, 32, (16,), 4)
+            losses.append(run_step(x.to("ember"), y.to("ember")).item())
+            sched.step()
+        return losses, [p.detach().cpu() for p in model.parameters()]
+    eager = run(False)
+    before = dict(C.stats)
+    same(eager, run(True))
+    assert C.stats["captures"] == before["captures"] + 1 and C.stats["replays"] >= before["replays"] + 26
+
+
+def test_a_step_that_returns_a_gradient_it_keeps_runs_eagerly(peer: ember.Device) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 2).to("ember")
+    o = torch.optim.SGD(lin.parameters(), lr=0.1)
+
+    @ember.torch.capture
+    def step(x: Any) -> Any:
+        o.zero_grad(set_to_none=True)
+        lin(x).square().mean().backward()
+        o.step()
+        return lin.weight.grad  # also held by the parameter: a replay could not give both a new value
+    x = torch.ones(3, 4).to("ember")
+    with pytest.warns(C.CaptureWarning, match="also keeps"):
+        grads = [step(x).cpu() for _ in range(6)]
+    assert step.why is not None and not torch.equal(grads[0], grads[-1])

@@ -117,3 +117,49 @@ def test_torch_compile_with_the_default_backend_runs_ember_graphs_on_the_ember_b
     y.sum().backward()
     local(x).sum().backward()
     assert torch.equal(y.cpu(), local(x)) and torch.equal(model[0].weight.grad.cpu(), local[0].weight.grad)
+
+
+@pytest.mark.timeout(90)
+def test_ember_serve_serves_websocket_before_iroh_waits_for_its_relays(tmp_path: Path) -> None:
+    """`ember serve --device torch:cpu --websocket …` with iroh on and a relay that never answers: the WebSocket
+    address is printed, and serves, while iroh still waits (its ticket comes only after its relay wait)."""
+    import os
+    import socket
+    import time
+    with socket.socket() as s:  # a relay address that refuses: iroh waits its full relay timeout
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "EMBER_OFFLINE"}
+    env.update(PYTHONUNBUFFERED="1", EMBER_KEY=str(tmp_path / "secret.key"))
+    p = subprocess.Popen([sys.executable, "-m", "ember.cli", "serve", "--device", "torch:cpu", "--websocket",
+                          "127.0.0.1:0", "--relay", f"http://127.0.0.1:{dead}", "--no-discovery",
+                          "--bind", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout is not None
+        deadline = time.monotonic() + 60
+        addr = None
+        while addr is None and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            assert line, f"ember serve ended: {p.stderr.read() if p.stderr else ''}"
+            assert "iroh ticket" not in line, "iroh's ticket came before the WebSocket address"
+            if line.startswith("ember serve: listening on ws://"):
+                addr = line.split()[4]
+        assert addr is not None
+        told = time.monotonic()
+        dev = ember.connect(addr)  # serving already
+        try:
+            with dev:
+                assert (torch.arange(4.0, device="ember") * 2).tolist() == [0.0, 2.0, 4.0, 6.0]
+        finally:
+            dev.close()
+        rest = ""
+        while "iroh ticket" not in rest and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                break
+            rest += line
+        assert "iroh ticket" in rest, rest + (p.stderr.read() if p.stderr else "")
+        assert time.monotonic() - told > 2.0, "the iroh lines came with the WebSocket address (after its relay wait)"
+    finally:
+        p.terminate()
+        p.wait(30)

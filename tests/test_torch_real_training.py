@@ -165,3 +165,34 @@ def test_random_ops_on_ember_still_equal_local_cpu_with_the_same_seed() -> None:
                                   F.dropout(x, 0.3), F.dropout(x.t(), 0.6), torch.randn_like(x))]
 
     assert all(torch.equal(a, b) for a, b in zip(draws("ember"), draws("cpu")))
+
+
+_THREADS_SCRIPT = r"""
+import torch, ember.torch
+torch.randn(1 << 20).sum()  # the main thread takes its thread count (the machine's) now
+for _ in torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 8)), batch_size=8,
+                                     pin_memory=True, num_workers=2):
+    pass  # its pin-memory thread has called torch.set_num_threads(1), process-wide
+torch.manual_seed(0)
+x = torch.randn(1 << 22)
+same = [torch.equal(x.sum(), x.to("ember").sum().cpu())]
+torch.set_num_threads(1)  # the user's own choice reaches the peer
+same.append(torch.equal(x.sum(), x.to("ember").sum().cpu()))
+print("SAME", same, torch.get_num_threads())
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_pin_memory_thread_does_not_change_the_embedded_peer_s_thread_count() -> None:
+    """A pin-memory DataLoader thread sets torch's thread count process-wide; a peer session made after it took
+    that count while the user's thread kept its own, and a large sum differed in its last bits (a test equal
+    alone failed after a DataLoader test). The embedded peer follows the user's thread count instead."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "EMBER_OFFLINE": "1"}
+    env.pop("OMP_NUM_THREADS", None)
+    r = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], capture_output=True, text=True, timeout=170,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "SAME [True, True] 1" in r.stdout, r.stdout + r.stderr[-2000:]

@@ -52,6 +52,9 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
     lim.add_argument("--idle-timeout", type=float, default=d.idle_timeout, metavar="SECONDS",
                      help="end sessions whose client sent nothing for this long while their work was done "
                           f"(a vanished host or link; clients ping well within it; default {d.idle_timeout:g}; 0: never)")
+    s.add_argument("--compile", action="store_true",
+                   help="compile the graphs sessions replay with inductor on torch devices, for clients that ask "
+                        "(connect(..., compile=True)): vetted ATen ops only, compiled in the background, cached")
     s.add_argument("--collectives", action="store_true",
                    help="offer torch.distributed collectives to meshes of peers (gloo/NCCL authenticate nobody)")
     s.add_argument("--dist-host", default="127.0.0.1", metavar="IP",
@@ -110,7 +113,7 @@ def build_server(args: argparse.Namespace) -> Server:
                     handshake_timeout=getattr(args, "handshake_timeout", ClientLimits.handshake_timeout),
                     idle_timeout=getattr(args, "idle_timeout", ClientLimits.idle_timeout),
                     collectives=getattr(args, "collectives", False), dist_host=getattr(args, "dist_host", "127.0.0.1"),
-                    dist_allow=getattr(args, "dist_allow", None) or ())
+                    dist_allow=getattr(args, "dist_allow", None) or (), compile=getattr(args, "compile", False))
     server.allowlist = allowed  # type: ignore[attr-defined]
     tls = tls_context(args.tls_cert, args.tls_key) if getattr(args, "tls_cert", None) else None
     for host, port in args.websocket:
@@ -177,12 +180,20 @@ def serve(args: argparse.Namespace) -> int:
     def relay_reached(ticket: str) -> None:
         print(f"ember serve: iroh relay reached; ticket {ticket}", flush=True)
 
+    told: list[str] = []
+
+    def listening(addresses: list[str]) -> None:
+        """WebSocket and TCP serve already: told before iroh waits for its relays."""
+        for a in addresses:
+            if a not in told:
+                told.append(a)
+                print(f"ember serve: listening on {a} ({describe_devices(server)})", flush=True)
+
     def ready(addresses: list[str]) -> None:
         if getattr(server, "iroh_listener", None) is not None and not server.authorizer:
             print("ember serve: note: anyone with this peer's iroh ticket can use this peer; --allow/--token to "
                   "restrict", file=sys.stderr, flush=True)
-        for a in addresses:  # WebSocket and TCP first, then the iroh ticket
-            print(f"ember serve: listening on {a} ({describe_devices(server)})", flush=True)
+        listening(addresses)  # WebSocket and TCP first, then the iroh ticket
         if server.metrics_address:
             print(f"ember serve: metrics on {server.metrics_address}", flush=True)
         if server.admin_tokens or server.admin_peers:
@@ -202,6 +213,6 @@ def serve(args: argparse.Namespace) -> int:
                       "relays, --require-relay exits instead", file=sys.stderr, flush=True)
                 lst.on_relay.append(relay_reached)
 
-    server.run(ready)
+    server.run(ready, listening)
     print("ember serve: stopped", flush=True)
     return 0

@@ -7,9 +7,11 @@ import logging
 import os
 import ssl
 import threading
+import warnings
 from typing import Any, Callable
 
 from ..errors import ConnectError, EmberError, SessionLost
+from ..protocol import codec
 from ..protocol import messages as m
 from ..protocol.lanes import DEFAULT_LANES, MAX_LANES
 from ..transport import SessionHandler, dial, is_iroh_address, uses_tls
@@ -44,7 +46,12 @@ class Device:
         self._lanes = int(lanes) if lanes is not None else (DEFAULT_LANES if is_iroh_address(address) else 0)
         if not 0 <= self._lanes <= MAX_LANES:
             raise ConnectError(f"lanes must be between 0 and {MAX_LANES}, got {lanes!r}")
-        self._features = [f for f in m.FEATURES if self._lanes or f != m.LANES_FEATURE] if data_frames else []
+        # compile=True: ask the peer to compile replayed graphs (granted by `ember serve --compile` only)
+        self._compile = bool(self._options.pop("compile", False))
+        self._features = [f for f in m.FEATURES if (self._lanes or f != m.LANES_FEATURE) and f != m.COMPILE_FEATURE] \
+            if data_frames else []
+        if self._compile:
+            self._features.append(m.COMPILE_FEATURE)
         self._ssl = tls
         self._lock = threading.Lock()
         self._session: ClientSession | None = None
@@ -69,6 +76,10 @@ class Device:
                                  dial_lane=lambda: _dial(self.address, self._timeout, self._ssl), **self._options)
 
         session = run_sync(go(), self._timeout + 1.0, f"connecting to {self.address}")
+        session.compiled = self._compile and m.COMPILE_FEATURE in codec.agreed_features(session.welcome_features)
+        if self._compile and not session.compiled:
+            warnings.warn(f"compiled graphs refused by {self.address[:60]}: the peer was not started with --compile "
+                          "(or serves no torch device); graphs replay eagerly", RuntimeWarning, stacklevel=3)
         log.debug("session %s with %s device %d opened%s", sid.hex()[:8], self.address[:40], self.index,
                   " (admin)" if self.admin else "")
         return session

@@ -102,6 +102,8 @@ class ClientSession(BulkData, LaneData, GroupHolding):
         self._gtable = GraphTable(gcap)
         self._poisoned: dict[int, EmberError] = {}  # ids whose message could not be sent: why
         self.data = m.DATA_FEATURE in codec.agreed_features(welcome.get("features"))
+        self.welcome_features = welcome.get("features")
+        self.compiled = False  # the peer compiles this session's graphs (feature "compile", set by Device)
         self._placed: dict[tuple[int, int], int] = {}
         self._init_lanes(welcome, lanes, dial_lane, session_id)  # (client/lanes.py)
         set_sink = getattr(conn, "set_data_sink", None)

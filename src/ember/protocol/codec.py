@@ -182,7 +182,7 @@ def encode_hello(*, session_id: bytes, device: int, credential: bytes = b"",
     (whole-peer STATS); ``credential`` is then the peer's admin token."""
     hello = {"type": "hello", "protocol": protocol, "session_id": session_id,
              "device": device, "credential": credential, "client": client_version,
-             "features": list(m.FEATURES if features is None else features)}
+             "features": [f for f in m.FEATURES if f != m.COMPILE_FEATURE] if features is None else list(features)}
     if admin:
         hello["admin"] = True
     return packb(hello)

@@ -139,8 +139,11 @@ MAX_DATA_HEAD = 4096
 #: Tensors up to this many bytes travel inside a batch (MessagePack ``bin``), larger ones in data frames.
 INLINE_DATA = 64 * 1024
 #: Optional wire features this version speaks, negotiated in Hello / Welcome.
-FEATURES = ("data", "lanes")
+FEATURES = ("data", "lanes", "compile")
 DATA_FEATURE = "data"
+#: Compiled graphs on the peer (``ember serve --compile``; server/execute/compiled.py): offered only by a
+#: client that asks for them (``connect(..., compile=True)``), agreed only by a peer started with the option.
+COMPILE_FEATURE = "compile"
 #: Several streams per large transfer (``protocol.lanes``); only with ``"data"``.
 LANES_FEATURE = "lanes"
 

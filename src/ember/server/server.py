@@ -69,11 +69,14 @@ class Server:
                  max_messages: int = ClientLimits.max_messages,
                  handshake_timeout: float = ClientLimits.handshake_timeout,
                  collectives: bool = False, dist_host: str = "127.0.0.1", dist_allow: Iterable[str] = (),
+                 compile: bool = False,
                  **limits: Any) -> None:
         """``memory_limit``: bytes (or ``"16GiB"``) each device budget holds, default a safe fraction of
         RAM / device memory (host devices share one budget); ``session_memory``: per session, default
         the device's budget. ``collectives``: offer torch.distributed collectives among the peers of a
-        mesh, bound to ``dist_host`` (an IP), reaching stores on ``dist_allow`` hosts. The per-client limits are described in :mod:`ember.server.guard.limits`
+        mesh, bound to ``dist_host`` (an IP), reaching stores on ``dist_allow`` hosts. ``compile``: sessions
+        that ask for it (feature ``"compile"``) replay their graphs compiled by inductor on torch devices
+        (:mod:`.execute.compiled`). The per-client limits are described in :mod:`ember.server.guard.limits`
         (``limits`` takes the rest of :class:`~ember.server.limits.ClientLimits` by name)."""
         self.backends: list[Backend] = [d if isinstance(d, Backend) else make_backend(d) for d in devices]
         if not self.backends:
@@ -82,6 +85,10 @@ class Server:
         if collectives:  # torch.distributed among mesh peers, bound to dist_host (server/execute/collectives.py)
             from .execute.collectives import enable
             enable(self.tables, self.backends, dist_host, list(dist_allow))
+        self.compiler: Any = None
+        if compile:
+            from .execute.compiled import Compiler
+            self.compiler = Compiler()
         self.authorizer = authorizer
         self.custom_ops: dict[str, CustomOp] = dict(custom_ops or {})
         try:
@@ -265,8 +272,10 @@ class Server:
         """Serve one session stream (what every listener calls)."""
         await drive_session(self, conn)
 
-    async def start(self) -> list[str]:
-        """Start every listener; return the addresses clients can use."""
+    async def start(self, listening: Callable[[list[str]], None] | None = None) -> list[str]:
+        """Start every listener; return the addresses clients can use. ``listening(addresses)`` is called once
+        the listeners that start at once (WebSocket, TCP) serve, before one that waits (iroh's relays), so
+        their addresses can be told (and used) without that wait."""
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         self.figures.start(ops=self._metrics_bind is not None)
@@ -274,7 +283,12 @@ class Server:
         if self._metrics_bind is not None and self._metrics_close is None:
             from .telemetry.metrics import serve_metrics
             self.metrics_address, self._metrics_close = serve_metrics(self, *self._metrics_bind)
+        told = listening is None
         for lst in self.listeners:
+            if not told and hasattr(lst, "relay_mode"):  # iroh: it may wait seconds for a relay
+                told = True
+                if self.addresses:
+                    listening(list(self.addresses))  # type: ignore[misc]
             await lst.start(self.handle)
             self.addresses.extend(lst.addresses)
             if self.peer_id is None and getattr(lst, "peer_id", None):
@@ -309,16 +323,19 @@ class Server:
         if self._stopped is not None:
             self._stopped.set()
 
-    async def serve(self, ready: Callable[[list[str]], None] | None = None) -> None:
-        """Async form of :meth:`run`: start, call ``ready(addresses)``, serve until :meth:`stop`."""
-        await self.start()
+    async def serve(self, ready: Callable[[list[str]], None] | None = None,
+                    listening: Callable[[list[str]], None] | None = None) -> None:
+        """Async form of :meth:`run`: start (``listening``: see :meth:`start`), call ``ready(addresses)``, serve
+        until :meth:`stop`."""
+        await self.start(listening)
         if ready is not None:
             ready(self.addresses)
         assert self._stopped is not None
         await self._stopped.wait()
 
-    def run(self, ready: Callable[[list[str]], None] | None = None) -> None:
-        """Serve until SIGINT or SIGTERM, then close sessions and return."""
+    def run(self, ready: Callable[[list[str]], None] | None = None,
+            listening: Callable[[list[str]], None] | None = None) -> None:
+        """Serve until SIGINT or SIGTERM, then close sessions and return (``listening``: see :meth:`start`)."""
         async def main() -> None:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -326,7 +343,7 @@ class Server:
                     loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop()))
                 except (NotImplementedError, RuntimeError):
                     pass
-            await self.serve(ready)
+            await self.serve(ready, listening)
         asyncio.run(main())
 
     def start_in_thread(self, timeout: float = 30.0) -> list[str]:
@@ -357,6 +374,8 @@ class Server:
                 asyncio.run_coroutine_threadsafe(self.stop(), loop).result(timeout)
             except Exception:
                 pass
+        if self.compiler is not None:
+            self.compiler.close()
         if self._thread is not None:
             self._thread.join(timeout)
 

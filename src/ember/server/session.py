@@ -100,6 +100,11 @@ class Session:
         self.transfer_ops.client = identity
         self.interp.enable_transfers(self.transfer_ops)
         self.features = codec.agreed_features(hello.get("features"))
+        if m.COMPILE_FEATURE in self.features:  # compiled graphs: only on a peer started with the option
+            if server.compiler is None or backend.kind != "torch":
+                self.features.remove(m.COMPILE_FEATURE)
+            else:
+                self.interp.compiler = server.compiler
         self.data = m.DATA_FEATURE in self.features
         if not self.data and m.LANES_FEATURE in self.features:  # lanes carry data frames
             self.features.remove(m.LANES_FEATURE)

@@ -23,15 +23,16 @@ What a replay writes (see docs/protocol.md, "Graphs and replays"):
 Guards (checked on every call, cheaply; any change records again): the arguments' structure,
 layouts, dtypes and storage sharing, and non-tensor values; grad mode; every outside tensor the
 graph reads or rewrites still alive; the ``training`` flags of the modules the step ran and the
-hyperparameters of the optimizers it stepped (a new learning rate records again). The step's
+hyperparameters of the optimizers it stepped (a new learning rate records again; one given as an
+ember tensor with ``capturable=True`` is a graph input that a scheduler changes in place). The step's
 Python runs only while recording: side effects on plain Python objects are not repeated by a
 replay (as with CUDA graphs).
 
 A step the capture cannot hold -- one that reads a value (``.item()``, ``print``, a data-dependent
 shape), uploads (``x.to("ember")`` inside the step: pass the tensors as arguments), draws on
-host state that changes every call (a non-``capturable`` optimizer's step count makes Adam's
-bias corrections new scalars each step), or never repeats -- runs eagerly for good, with one
-:class:`CaptureWarning` that says why. A replay is bit-equal to running the step eagerly: the
+host state that changes every call (a plain Adam's step count makes its bias corrections new
+scalars each step: use ``fused=True`` or ``capturable=True``), or never repeats -- runs eagerly
+for good, with one :class:`CaptureWarning` that says why. A replay is bit-equal to running the step eagerly: the
 peer runs the same ops on the same data.
 """
 
@@ -167,8 +168,8 @@ _PLAIN = (int, float, bool, str, type(None), tuple)
 class _Recording:
     """One recorded call, analysed: its canonical graph, what its inputs and results are, its signature."""
 
-    __slots__ = ("c", "sig", "tokens", "kept", "left", "rets", "spec", "watch", "ext", "n_prev", "mods", "opts",
-                 "guards")
+    __slots__ = ("c", "sig", "tokens", "kept", "left", "rets", "spec", "watch", "left_watch", "ext", "n_prev",
+                 "mods", "opts", "guards")
 
     def __init__(self) -> None:
         self.ext: set[int] = set()
@@ -211,6 +212,8 @@ def _analyse(tap: _Tap, out: Any, arg_sids: dict[int, int], prev: list[int]) -> 
             rets.append(("v", v))
         else:
             return f"returns a {type(v).__name__}"
+    if ret_fresh and ret_fresh & _held_by(tap.mods.values(), tap.opts.values()):
+        return "returns a tensor it also keeps (a .grad, optimizer state or buffer): return a clone"
     c = canon(msgs, gone)
     if c is None:
         return "records values a graph cannot carry"
@@ -234,12 +237,10 @@ def _analyse(tap: _Tap, out: Any, arg_sids: dict[int, int], prev: list[int]) -> 
         elif d in inputs:
             rec.ext.add(-1 - d)  # frees an outside tensor it reads: never the same twice
     rec.tokens, rec.rets, rec.n_prev = tokens, rets, len(prev)
-    watch = []  # the outside tensors the graph reads or rewrites: all must live for a replay
-    for sid in [*(t[1] for t in tokens if t[0] == "c"), *rec.left]:
-        w = tap.refs.get(sid)
-        if w is not None and w() is not None:
-            watch.append(w)
-    rec.watch = watch
+    refs = tap.refs  # the outside tensors the graph reads or rewrites: all must live for a replay
+    rec.left_watch = [w for w in (refs.get(sid) for sid in rec.left) if w is not None and w() is not None]
+    rec.watch = [w for w in (refs.get(t[1]) for t in tokens if t[0] == "c") if w is not None and w() is not None]
+    rec.watch += rec.left_watch
     rec.mods, rec.opts = list(tap.mods.values()), list(tap.opts.values())
     rec.guards = _guards(rec.mods, rec.opts)
     rec.sig = (codec.packb([c.shape, c.kept, [t.__name__ for t in c.types]]), c.kw_bytes(), codec.packb(c.scalars),
@@ -247,6 +248,26 @@ def _analyse(tap: _Tap, out: Any, arg_sids: dict[int, int], prev: list[int]) -> 
                         if x[0] == "k" else x for x in rets], rec.spec, sorted(rec.ext),
                len(prev), len(rec.left), rec.guards)
     return rec
+
+
+def _held_by(mods: Any, opts: Any) -> set[int]:
+    """The storage ids the modules and optimizers a step ran hold: parameters, their grads, buffers, state."""
+    ts: list[Any] = []
+    for mod in mods:
+        ts.extend(mod.parameters(recurse=False))
+        ts.extend(mod.buffers(recurse=False))
+    for o in opts:
+        for g in o.param_groups:
+            ts.extend(g["params"])
+        for st in o.state.values():
+            ts.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    ts.extend([p.grad for p in ts if isinstance(p, torch.nn.Parameter) and p.grad is not None])
+    out = set()
+    for t in ts:
+        r = getattr(t.untyped_storage(), "_ember", None) if t.device.type == "ember" else None
+        if r is not None:
+            out.add(r.sid)
+    return out
 
 
 class _Plan:
@@ -395,6 +416,11 @@ class Captured:
         for i, sid in enumerate(sids):
             arg_sids.setdefault(sid, i)
         prev = self.last.left if self.last is not None and self.last_key == k else []
+        if prev and any(w() is None for w in self.last.left_watch):  # type: ignore[union-attr]
+            self.last = None  # (its leftovers are gone: the next recording starts afresh)
+            self._missed("frees what it leaves behind between calls (optimizer.zero_grad() outside the step?): "
+                         "a replay cannot make new Python objects, so do that inside the step")
+            prev = []
         with _Tap(session) as tap:
             out = _detached(self.fn(*args, **kwargs))  # (the autograd graph of a result dies in the tap)
         stats["recorded"] += 1
@@ -415,7 +441,7 @@ class Captured:
             return out
         if last is not None and last.sig[:2] == rec.sig[:2] and last.sig[2] != rec.sig[2]:
             self._missed("records new scalar values every call (host-side state such as a non-capturable "
-                         "optimizer's step count: construct Adam/AdamW with capturable=True)")
+                         "optimizer's step count: construct Adam/AdamW with fused=True or capturable=True)")
         else:
             self._missed("records a different program every call")
         return out

@@ -118,6 +118,11 @@ def _overload(qualname: str) -> Any:
     return getattr(getattr(torch.ops.aten, op), ov or "default")
 
 
+def _sparse_refused(op: Any, *args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError(f"{op}: sparse tensors are not supported on ember (ember tensors are strided); "
+                              f"use a dense tensor (.to_dense()) or run this op on CPU")
+
+
 def register() -> None:
     """Make ``"ember"`` a torch device (idempotent)."""
     global _registered
@@ -133,6 +138,8 @@ def register() -> None:
                                                 device_guard=_Guard())
         fallback = torch.library.Library("_", "IMPL")
         fallback.fallback(D.kernel, "PrivateUse1")
+        for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):  # sparse ember tensors: a clear error, by op
+            fallback.fallback(_sparse_refused, key)
         claims = torch.library.Library("aten", "IMPL")
         for name in _claimed_overloads():
             try:
@@ -141,6 +148,8 @@ def register() -> None:
                 continue
             claims.impl(name[len("aten::"):], functools.partial(D.kernel, op), "PrivateUse1")
         _libs.extend([fallback, claims])
+        from ._meta import install_meta
+        _libs.append(install_meta())
         from . import _patches
         _libs.extend(_patches.install())
         from . import _decomposed

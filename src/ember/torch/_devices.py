@@ -48,6 +48,11 @@ def current_device() -> Device:
     if dev is None:
         with _lock:
             if not _embedded:
+                if PEER.startswith("local"):  # the embedded peer's kernels take the user's thread count
+                    import torch
+
+                    from ..server.execute import aten as peer_aten
+                    peer_aten.THREADS[0] = torch.get_num_threads()
                 _embedded.append(connect(PEER))
             dev = _embedded[0]
     return dev

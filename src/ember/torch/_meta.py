@@ -157,4 +157,26 @@ _ITEMSIZE = {dtype_name(d): d.itemsize for d in (
     torch.float32, torch.float64, torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
     torch.complex32)}
 
-__all__ = ["Plan", "infer", "DataDependent", "FRESH", "VIEW", "INPUT", "NONE", "VALUE"]
+def install_meta() -> Any:
+    """Meta kernels torch lacks for ops whose output shapes follow from their arguments (``torch.histogramdd``'s
+    parts: one edge tensor of ``bins[i] + 1`` values per dim, the histogram of ``bins``); returns the library."""
+    import torch
+    lib = torch.library.Library("aten", "IMPL")
+
+    def bin_edges(x: Any, bins: Any, range: Any = None, weight: Any = None, density: bool = False) -> Any:  # noqa: A002
+        torch._check(x.dim() >= 1 and x.shape[-1] == len(bins), lambda: "histogramdd: one bin count per dim")
+        return [x.new_empty(int(b) + 1) for b in bins]
+
+    def from_cts(x: Any, bins: Any, range: Any = None, weight: Any = None, density: bool = False) -> Any:  # noqa: A002
+        return x.new_empty([int(b) for b in bins])
+
+    def from_tensors(x: Any, bins: Any, *, weight: Any = None, density: bool = False) -> Any:
+        return x.new_empty([max(b.numel() - 1, 0) for b in bins])
+
+    lib.impl("_histogramdd_bin_edges", bin_edges, "Meta")
+    lib.impl("_histogramdd_from_bin_cts", from_cts, "Meta")
+    lib.impl("_histogramdd_from_bin_tensors", from_tensors, "Meta")
+    return lib
+
+
+__all__ = ["install_meta", "Plan", "infer", "DataDependent", "FRESH", "VIEW", "INPUT", "NONE", "VALUE"]

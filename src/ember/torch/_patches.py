@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any
@@ -149,6 +150,18 @@ def _install_ops() -> None:
     # ember tensors never carry torch's lazy conjugate/negative bits: conj() and _neg_view() copy
     S[aten._conj.default] = lambda op, x: D.kernel_generic(aten.conj_physical.default, x)
     S[aten._neg_view.default] = lambda op, x: D.kernel_generic(aten.neg.default, x)
+    S[aten.addbmm_.default] = _addbmm_
+
+
+def _addbmm_(op: Any, self: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, *, beta: Any = 1,
+             alpha: Any = 1) -> torch.Tensor:
+    """CPU's ``addbmm_`` runs as ``addbmm.out(self, out=self)``: a ``self`` that only broadcasts (one element) is
+    resized to the result, as there."""
+    if b1.dim() == 3 and b2.dim() == 3 and list(self.shape) != [b1.shape[1], b2.shape[2]]:
+        r = D.kernel_generic(aten.addbmm.default, self, b1, b2, beta=beta, alpha=alpha)
+        self.resize_(r.shape)
+        return self.copy_(r)
+    return D.kernel_generic(op, self, b1, b2, beta=beta, alpha=alpha)
 
 
 def _install_print() -> None:
@@ -301,6 +314,21 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = No
         q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
 
 
+def _install_threads() -> None:
+    """``torch.set_num_threads`` on the main thread also sets the embedded peer's kernels' thread count
+    (``server.execute.aten.THREADS``, first taken when the embedded peer is made): the user's choice, never that
+    of a helper thread such as a pin-memory ``DataLoader``'s, which sets 1 process-wide."""
+    from ..server.execute import aten as peer_aten
+    orig = torch.set_num_threads
+
+    @functools.wraps(orig)
+    def set_num_threads(n: int) -> None:
+        orig(n)
+        if threading.current_thread() is threading.main_thread() and peer_aten.THREADS[0] is not None:
+            peer_aten.THREADS[0] = torch.get_num_threads()
+    torch.set_num_threads = set_num_threads
+
+
 def install() -> list[Any]:
     """Install the patches; returns the torch.library registrations to keep alive."""
     lib = torch.library.Library("aten", "IMPL")
@@ -311,6 +339,7 @@ def install() -> list[Any]:
     _install_module_apply()
     _install_pinning()
     _install_default_compile()
+    _install_threads()
     from . import _checkpoint
     _checkpoint.install()
     return [lib]

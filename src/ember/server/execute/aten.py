@@ -19,6 +19,7 @@ another session's stream nor the process-wide one.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import torch
@@ -41,6 +42,21 @@ _LENIENT = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_embeddi
 empty (batch norm's saved statistics in eval mode, embedding bag's unused max indices): the peer
 stores zeros in the client's layout, so the client's picture stays true."""
 rnn_cells.install("CPU")  # nn.LSTM / nn.GRU on an ember tensor take torch's fused cells: CUDA-only kernels
+
+
+#: The intra-op thread count this process's peer kernels run with, or None (each thread's own). An embedded
+#: peer follows its user: the thread count of the thread that made it (and of the main thread's later
+#: ``torch.set_num_threads``), never one another thread set process-wide (a pin-memory ``DataLoader`` thread
+#: sets 1), so its reductions split work as the user's CPU ops do and stay bit-equal to them.
+THREADS: list[int | None] = [None]
+_tls = threading.local()
+
+
+def _follow_threads() -> None:
+    n = THREADS[0]
+    if n is not None and getattr(_tls, "threads", None) != n:
+        torch.set_num_threads(n)
+        _tls.threads = n
 
 
 def refusal(name: str) -> str | None:
@@ -176,6 +192,8 @@ class AtenKernel:
         an op whose kernel trusts operand values as memory positions (:mod:`.positions`)."""
         if self.check is not None:
             self.check(args, kwargs)
+        if THREADS[0] is not None:
+            _follow_threads()
         return self.draw(args, kwargs) if self.draw is not None else self.op(*args, **kwargs)
 
     @staticmethod

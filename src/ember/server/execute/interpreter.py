@@ -123,6 +123,7 @@ class Interpreter(GraphReplay, Holdings):
         self.tensors: dict[int, Any] = {}
         self.poison: dict[int, Poison] = {}
         self._views: dict[int, set[Any]] = {}  # stored values graph programs cached views of (program.py)
+        self.compiler: Any = None  # the peer's Compiler when this session agreed on compiled graphs (compiled.py)
         # id -> (buffer, dtype, shape, total, reserved by the network loop: a shared charge until adopted)
         self._uploads: dict[int, tuple[Any, str, list[int], int, bool]] = {}
         self._out_bytes = 0  # bytes of tensor data in the responses being gathered

@@ -40,7 +40,7 @@ class FastStep:
     """One ATen step of a program (see the module docstring)."""
 
     __slots__ = ("i", "kernel", "fc", "fd", "trs", "sreg", "n_scal", "outs", "one", "touts", "wtrs", "wregs",
-                 "wlays", "trustable", "trusted", "nbytes", "name", "kw", "oregs", "regs")
+                 "wlays", "trustable", "trusted", "nbytes", "name", "kw", "oregs", "regs", "plan", "kwplan", "baked")
 
 
 class Program:
@@ -82,6 +82,8 @@ class Program:
         self.bound: list[Any] = [None] * n_in  # the storage value each input's cached views are of
         self.need = sum(fs.nbytes for fs in self.fast if fs is not None)
         self.n_fast = sum(1 for fs in self.fast if fs is not None)
+        self.comp: Any = None  # its compiled prefix (compiled.py), False when there is none to compile
+        self.replays = 0
 
     # ---- lowering ----------------------------------------------------------------------------
     def _tr(self, r: int, lay: Any) -> int:
@@ -142,6 +144,7 @@ class Program:
             baked = [aten._scalar(x) for x in consts] if type(consts) is list and len(consts) == n_scal else None
         except ValueError:
             baked = None
+        fs.plan, fs.kwplan, fs.baked = plan, kwplan, baked
         fs.fc = _maker(plan, kwplan, op, fn.draw, baked, len(lays)) if baked is not None else None
         fs.fd = _maker(plan, kwplan, op, fn.draw, None, len(lays))
         fs.outs = []
@@ -208,8 +211,17 @@ class Program:
                 st.temps += self.need
             except Exception:  # noqa: BLE001 - over the budget: each step charged (and refused) on its own
                 fast = [None] * len(fast)
+        start = 0
+        if it.compiler is not None and fast is self.fast:  # the session agreed on compiled graphs
+            c = self.comp
+            if c is None and self.replays:  # (its steps are trusted after one replay)
+                c = self.comp = it.compiler.lookup(self, g) or False
+            if c and c.state == "ready" and not (ovr and not c.sregs.isdisjoint(ovr)):
+                start = c.run(self, V)
+        self.replays += 1
         generic, checked = self._generic, self._checked
-        for i, fs in enumerate(fast):
+        for i in range(start, len(fast)):
+            fs = fast[i]
             if fs is None:
                 generic(it, g, R, V, st, i, None)
             elif fs.trusted and not (ovr and fs.sreg in ovr):
@@ -233,6 +245,37 @@ class Program:
         mat = self._mat
         for r in g.kept:
             mat(R, V, r)
+
+    def prefix(self, g: Any) -> Any:
+        """What to compile (compiled.py): the longest prefix of trusted steps that write nothing, draw
+        nothing and read only inputs' views and earlier results in their specs' layouts, as
+        ``(steps, input typed registers, outputs, scalar registers, FX graph, example inputs)``; None
+        when it is shorter than ``compiled.MIN_STEPS``."""
+        from .compiled import MIN_STEPS, build
+        inputs = {tr: (lay, need) for lst in self.in_lays.values() for tr, lay, need in lst}
+        produced: set[int] = set()
+        in_trs: list[int] = []
+        steps: list[FastStep] = []
+        for fs in self.fast:
+            if fs is None or not fs.trusted or fs.wtrs or fs.kernel.draw is not None or fs.fc is None:
+                break
+            new = [tr for tr in dict.fromkeys(fs.trs) if tr not in produced and tr not in in_trs]
+            if any(tr not in inputs for tr in new):
+                break  # a view made between steps: the compiled graph stops before it
+            in_trs += new
+            steps.append(fs)
+            produced.update(tro for _, tro, _ in fs.touts)
+        p = len(steps)
+        if p < MIN_STEPS:
+            return None
+        needed = {r for s in g.steps[p:] for r in s[1]} | set(g.kept)
+        outs = []
+        for fs in steps:
+            for (_, size, stride, off, dt, nb, _), tro, oreg in fs.outs:
+                if oreg in needed:
+                    outs.append((tro, size, stride, off, dt, nb, self.derive.get(oreg)))
+        gm, examples = build(self, steps, in_trs, inputs, [o[0] for o in outs])
+        return p, in_trs, outs, {fs.sreg for fs in steps}, gm, examples
 
     def _mat(self, R: list[Any], V: list[Any], r: int) -> Any:
         """Register ``r``'s storage value (made from its typed register if only that exists)."""

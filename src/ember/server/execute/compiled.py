@@ -1,0 +1,164 @@
+"""Compiled graphs on the peer (``Server(compile=True)``, ``ember serve --compile``; wire feature ``"compile"``).
+
+A session that agreed on the feature replays its registered graphs through the peer's compiler: once a
+graph's program (:mod:`.program`) has shown its first steps to be exact (trusted: vetted ATen calls
+whose results need no check), the longest such prefix without writes, random draws or views made
+between steps is built into an FX graph of those ATen overloads, and nothing else: the client's code
+never runs on the peer, only vetted ATen ops with the template's literals. Inductor compiles it in a
+background thread (C++/OpenMP on a CPU peer, Triton on a GPU); meanwhile, and whenever the compiled
+prefix cannot serve a replay (an input poisoned or not a storage that holds its layout, a scalar of the
+prefix overridden, an error inside it), the program replays eagerly. Compiled prefixes are cached per
+process by the GRAPH message's hash and the device: a graph registered again, or by another session,
+is compiled once. Results are the compiled kernels' (fused: equal to eager within float rounding, not
+bit for bit), each stored in the layout its output spec names.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+PENDING, READY, FAILED = "pending", "ready", "failed"
+#: A prefix shorter than this many steps is not worth a compile.
+MIN_STEPS = 2
+#: Compiled prefixes one peer process keeps (least recently added dropped first).
+MAX_ENTRIES = 256
+
+
+class Compiled:
+    """One graph prefix: compiling, ready (``fn``), or failed (``reason``)."""
+
+    __slots__ = ("state", "fn", "reason", "seconds", "p", "in_trs", "outs", "sregs", "hits", "done", "n_ops")
+
+    def __init__(self, p: int, in_trs: list[int], outs: list[Any], sregs: set[int]) -> None:
+        self.state, self.fn, self.reason, self.seconds, self.hits = PENDING, None, "", 0.0, 0
+        self.p, self.in_trs, self.outs, self.sregs, self.n_ops = p, in_trs, outs, sregs, p
+        self.done = threading.Event()
+
+    def run(self, prog: Any, V: list[Any]) -> int:
+        """Run the compiled prefix over the typed registers ``V``: how many steps it stood for (0: it
+        could not serve this replay; the program runs them)."""
+        args = [V[tr] for tr in self.in_trs]
+        if None in args:
+            return 0
+        try:
+            outs = self.fn(*args)
+        except Exception:  # noqa: BLE001 - e.g. an index out of range: the eager steps say what is wrong
+            return 0
+        torch = prog.torch
+        for (tro, size, stride, off, dt, nb, d), r in zip(self.outs, outs):
+            if not (r.dtype is dt and r.shape == size and r.stride() == stride and r.storage_offset() == off
+                    and r.untyped_storage().nbytes() == nb):  # stored as the spec says, nothing more
+                buf = torch.zeros(nb, dtype=torch.uint8, device=r.device)
+                t = torch.empty((0,), dtype=dt, device=r.device).set_(buf.untyped_storage(), off, size, stride)
+                t.copy_(r)
+                r = t
+            V[tro] = r
+            if d:
+                prog._derive(V, r, d)
+        self.hits += 1
+        return self.p
+
+
+class Compiler:
+    """A peer's compiled prefixes (one per Server with ``compile=True``), compiled by one background thread."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[bytes, str], Compiled] = {}
+        self.lock = threading.Lock()
+        self.pool: ThreadPoolExecutor | None = None
+        self.compiles = self.failures = 0
+        self.compile_seconds = 0.0
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            hits = sum(c.hits for c in self.cache.values())
+            ready = sum(1 for c in self.cache.values() if c.state == READY)
+        return {"compiled": self.compiles, "failed": self.failures, "ready": ready, "replays": hits,
+                "compile_seconds": round(self.compile_seconds, 3)}
+
+    def lookup(self, prog: Any, g: Any) -> Compiled | None:
+        """The compiled prefix of ``g`` (compiling it in the background if new), or None: nothing to compile."""
+        key = (g.digest, str(prog.device))
+        with self.lock:
+            c = self.cache.get(key)
+        if c is not None:
+            return c
+        plan = prog.prefix(g)
+        if plan is None:
+            return None
+        p, in_trs, outs, sregs, gm, examples = plan
+        c = Compiled(p, in_trs, outs, sregs)
+        with self.lock:
+            if key in self.cache:
+                return self.cache[key]
+            while len(self.cache) >= MAX_ENTRIES:
+                self.cache.pop(next(iter(self.cache)))
+            self.cache[key] = c
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(1, thread_name_prefix="ember-compile")
+        self.pool.submit(self._compile, c, gm, examples)
+        return c
+
+    def _compile(self, c: Compiled, gm: Any, examples: list[Any]) -> None:
+        import torch
+        t = time.perf_counter()
+        try:
+            from torch._inductor.compile_fx import compile_fx
+            with torch.no_grad():
+                fn = compile_fx(gm, examples)
+                fn(*examples)  # the first call finishes loading the kernels
+            c.fn, c.state = fn, READY
+        except Exception as e:  # noqa: BLE001 - the eager program serves the graph
+            c.reason, c.state = f"{type(e).__name__}: {str(e)[:300]}", FAILED
+        c.seconds = time.perf_counter() - t
+        with self.lock:
+            self.compile_seconds += c.seconds
+            if c.state == READY:
+                self.compiles += 1
+            else:
+                self.failures += 1
+        c.done.set()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def build(prog: Any, steps: list[Any], in_trs: list[int], in_lays: dict[int, Any], outs: list[int]) -> Any:
+    """The FX graph of ``steps`` (fast steps of ``prog``): placeholders for ``in_trs``, the ATen overloads
+    with the templates' literals and scalars, an output per typed register of ``outs``."""
+    import torch
+    graph = torch.fx.Graph()
+    env: dict[int, Any] = {tr: graph.placeholder(f"in{j}") for j, tr in enumerate(in_trs)}
+
+    def val(fs: Any, p: tuple[str, Any]) -> Any:
+        kind, x = p
+        if kind == "t":
+            return env[fs.trs[x]]
+        if kind == "s":
+            return fs.baked[x]
+        if kind == "l":
+            return [val(fs, q) for q in x]
+        return x
+
+    for fs in steps:
+        node = graph.call_function(fs.kernel.op, tuple(val(fs, p) for p in fs.plan),
+                                   {n: val(fs, p) for n, p in fs.kwplan.items()})
+        for idx, tro, _ in fs.touts:
+            env[tro] = node if idx < 0 else graph.call_function(operator.getitem, (node, idx))
+    graph.output(tuple(env[tr] for tr in outs))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    examples = []
+    for tr in in_trs:
+        (size, stride, off, dt), need = in_lays[tr]
+        buf = torch.zeros(max(need, 1), dtype=torch.uint8, device=prog.device)
+        examples.append(torch.empty((0,), dtype=prog.aten.DTYPES[dt], device=prog.device)
+                        .set_(buf.untyped_storage(), off, size, stride))
+    return gm, examples
+
+
+__all__ = ["Compiler", "Compiled", "build", "PENDING", "READY", "FAILED"]

@@ -1,0 +1,155 @@
+"""Compiled graphs on the peer (server/execute/compiled.py): a replayed graph's trusted ATen prefix compiled
+with inductor, equal to eager within float tolerance; refused where the peer was not started with it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ember.protocol import messages as m  # noqa: E402
+from ember.server.execute.backends import make_backend  # noqa: E402
+from ember.server.execute.compiled import READY, Compiler  # noqa: E402
+from ember.server.execute.interpreter import Interpreter, build_table  # noqa: E402
+
+F = "float32"
+
+
+def lay(size: list[int], stride: list[int]) -> list[Any]:
+    return [size, stride, 0, F]
+
+
+def out(size: list[int], stride: list[int]) -> list[Any]:
+    n = 4
+    for s in size:
+        n *= s
+    return [[0, size, stride, 0, F, n]]
+
+
+def mlp_graph() -> list[Any]:
+    """tanh(relu(x @ w + b)) * (x @ w + b): inputs x (4, 8), w (8, 16), b (16,); scalars [] and [1]."""
+    x, w, b = lay([4, 8], [8, 1]), lay([8, 16], [16, 1]), lay([16], [1])
+    h = lay([4, 16], [16, 1])
+    body = [["aten.mm.default", [3, 0, 1], 1, {"a": [0, 0], "l": [x, w], "o": out([4, 16], [16, 1])}],
+            ["aten.add.Tensor", [4, 5, 2], 1, {"a": [0, 0, 1], "l": [h, b], "o": out([4, 16], [16, 1])}],
+            ["aten.relu.default", [3, 6], 1, {"a": [0], "l": [h], "o": out([4, 16], [16, 1])}],
+            ["aten.tanh.default", [3, 7], 1, {"a": [0], "l": [h], "o": out([4, 16], [16, 1])}],
+            ["aten.mul.Tensor", [3, 8, 6], 1, {"a": [0, 0], "l": [h, h], "o": out([4, 16], [16, 1])}]]
+    return [m.GRAPH, 1, 3, [[], [1]], body, [9], []]
+
+
+def interpreter(compiler: Compiler | None) -> Interpreter:
+    b = make_backend("torch:cpu")
+    it = Interpreter(b, build_table(b), {}, lambda out: None,
+                     {"max_frame": 1 << 26, "chunk": 1 << 24, "max_tensor": 1 << 40, "graph_cache": 4})
+    it.compiler = compiler
+    return it
+
+
+def as_storage(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8).clone()
+
+
+@pytest.mark.timeout(400)
+def test_a_compiled_graph_equals_eager_within_float_tolerance() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(4, 8, generator=g), torch.randn(8, 16, generator=g), torch.randn(16, generator=g)
+    compiler = Compiler()
+    it = interpreter(compiler)
+    it.put(1, as_storage(x), "upload")
+    it.put(2, as_storage(w), "upload")
+    it.put(3, as_storage(b), "upload")
+    it.run_batch([mlp_graph(), [m.REPLAY, 1, [1, 2, 3], [10], []], [m.REPLAY, 1, [1, 2, 3], [11], []]])
+    c = it.graphs.peek(1).program.comp  # asked for at the second replay, compiled in the background
+    assert c and c.n_ops == 5 and c.done.wait(300), "the compile did not finish"
+    assert c.state == READY, c.reason
+    it.run_batch([[m.REPLAY, 1, [1, 2, 3], [12], []]])
+    assert c.hits == 1
+    h = x @ w + b
+    want = torch.tanh(torch.relu(h)) * h
+    eager, compiled = (it.tensors[i].view(torch.float32).view(4, 16) for i in (10, 12))
+    assert torch.equal(eager, want)
+    torch.testing.assert_close(compiled, want, rtol=1e-5, atol=1e-5)
+    # new storages, an overridden scalar of the prefix (eager), a poisoned input (eager: its poison)
+    it.put(1, as_storage(x * 2), "upload")
+    it.run_batch([[m.REPLAY, 1, [1, 2, 3], [13], []], [m.REPLAY, 1, [1, 2, 3], [14], [1, [0.5]]],
+                  [m.REPLAY, 1, [1, 2, 99], [15], []]])
+    assert c.hits == 2
+    h2 = (x * 2) @ w
+    torch.testing.assert_close(it.tensors[13].view(torch.float32).view(4, 16), torch.tanh(torch.relu(h2 + b)) * (h2 + b))
+    assert torch.equal(it.tensors[14].view(torch.float32).view(4, 16), torch.tanh(torch.relu(h2 + 0.5 * b)) * (h2 + 0.5 * b))
+    assert 15 not in it.tensors and "99" in it.poison[15].error["message"]
+    assert compiler.stats()["compiled"] == 1 and compiler.stats()["replays"] == 2
+    # another session registering the same graph gets the same compiled prefix (cached by the graph's hash)
+    it2 = interpreter(compiler)
+    for i, v in ((1, x), (2, w), (3, b)):
+        it2.put(i, as_storage(v), "upload")
+    it2.run_batch([mlp_graph()] + [[m.REPLAY, 1, [1, 2, 3], [10 + i], []] for i in range(3)])
+    assert it2.graphs.peek(1).program.comp is c and c.hits == 4  # its second and third replays
+    torch.testing.assert_close(it2.tensors[12].view(torch.float32).view(4, 16), want)
+
+
+def mlp_steps(device: str, steps: int, until: Any = None) -> tuple[list[float], list[torch.Tensor]]:
+    """A small MLP + SGD, the same batch each step; ``until()`` true: stop early (after ``steps`` at least)."""
+    from ember.torch import workloads as W
+    torch.manual_seed(0)
+    model = W.MLP(8, 16, 4).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x, y = W.classification_batch(g, 32, (8,), 4)
+    x, y = x.to(device), y.to(device)
+    losses = []
+    for step in range(400):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if step + 1 >= steps and (until is None or until()):
+            break
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.timeout(400)
+def test_training_replays_through_the_compiled_path_of_a_peer_started_with_compile() -> None:
+    import ember
+    import ember.torch  # noqa: F401
+    from ember.server import Server
+    srv = Server(["torch:cpu"], compile=True)
+    srv.listen_tcp("127.0.0.1", 0)
+    addr = srv.start_in_thread()[0]
+    try:
+        with ember.connect(addr, compile=True) as d:
+            assert d.session.compiled
+            ready = lambda: srv.compiler.stats()["ready"] > 0 and srv.compiler.stats()["replays"] >= 20  # noqa: E731
+            remote = mlp_steps("ember", 30, ready)
+        stats = srv.compiler.stats()
+    finally:
+        srv.close()
+    assert stats["compiled"] >= 1 and stats["replays"] >= 20, stats
+    local = mlp_steps("cpu", len(remote[0]))
+    torch.testing.assert_close(remote[0], local[0], rtol=1e-4, atol=1e-5)
+    for p, q in zip(remote[1], local[1]):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_graphs_are_refused_by_a_peer_started_without_the_option() -> None:
+    import ember
+    import ember.torch  # noqa: F401
+    from ember.server import Server
+    srv = Server(["torch:cpu"])
+    srv.listen_tcp("127.0.0.1", 0)
+    addr = srv.start_in_thread()[0]
+    try:
+        with pytest.warns(RuntimeWarning, match="not started with --compile"):
+            d = ember.connect(addr, compile=True)
+        with d:
+            assert not d.session.compiled and srv.compiler is None
+            x = torch.arange(4.0).to("ember")
+            assert (x * 2 + 1).cpu().tolist() == [1.0, 3.0, 5.0, 7.0]  # the session is served (eagerly)
+        with ember.connect(addr) as d:  # not asked: nothing to refuse
+            assert not d.session.compiled
+    finally:
+        srv.close()
