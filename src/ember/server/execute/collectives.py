@@ -146,7 +146,7 @@ class Collectives:
             raise CollectiveError(f"async handle {h!r}: an int not pending already (at most {MAX_PENDING})")
         held = scratch + self.stand_in
         if held and self.mem is not None:
-            self.mem.charge(held, lambda: f"torch.dist.{name}: {held} bytes the collective holds while it runs")
+            self.mem.charge(held, lambda: f"the buffers torch.dist.{name} holds while it runs")
         try:
             flag = torch.tensor([int(self.poisoned)], dtype=torch.int32, device=self.device)
             o = dist.AllreduceOptions()
