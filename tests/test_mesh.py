@@ -142,6 +142,30 @@ def test_a_small_gpt_is_bit_equal_to_torch_ddp_over_gloo(peers, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(got, want)), max((a - b).abs().max().item() for a, b in zip(got, want))
 
 
+@pytest.mark.timeout(150)
+def test_torch_compile_on_a_mesh_is_bit_equal_to_torch_ddp(peers, tmp_path):
+    from ember.torch import _compile
+    steps = 5
+    ref, out = reference(tmp_path, steps)
+    mesh = ember.torch.mesh(peers, timeout=20)
+    replays = _compile.stats["replays"]
+    try:
+        with mesh:
+            model = DataParallel(make_mlp().to("ember"))
+            run = torch.compile(model, backend="ember")
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in batches(steps):
+                opt.zero_grad()
+                loss_of(run, mesh.shard(x), mesh.shard(y)).backward()
+                opt.step()
+            got = [p.detach().cpu() for p in model.parameters()]
+    finally:
+        mesh.close()
+    assert _compile.stats["replays"] > replays  # the compiled graphs were recorded once, then replayed
+    want = reference_params(ref, out)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.timeout(90)
 def test_no_sync_accumulates_locally_then_averages(peers):
     (x1, y1), (x2, y2) = batches(2)
