@@ -32,6 +32,9 @@ class FanOut:
         self: Any
         for f in followers:
             f._g_on, f._grp, f._gtable = False, None, self._gtable
+            # no idle tick of its own: what it is given alone is flushed before the next batch fanned
+            # out to it (and by any request or close), so a follower never wakes the I/O thread itself
+            f._ticking = True
             self.max_frame = min(self.max_frame, f.max_frame)
             self.max_batch = min(self.max_batch, f.max_batch)
         self._own = []
