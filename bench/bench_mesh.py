@@ -28,6 +28,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("batch", type=int, nargs="?", default=256, help="the global batch (split over the mesh)")
     p.add_argument("hidden", type=int, nargs="?", default=512, help="the MLP's hidden width")
     p.add_argument("--rounds", type=int, default=3, help="rounds (medians are printed)")
+    p.add_argument("--pin", action="store_true",
+                   help="the client on CPU 0, the peers on the others (so the peers' compute does not inflate "
+                        "the client's CPU time on a small box)")
     return p.parse_args()
 
 
@@ -45,7 +48,8 @@ from ddp_reference import batches, loss_of, make_mlp  # noqa: E402
 
 
 def peer() -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", "--device", "torch:cpu", "--collectives",
+    pin = ["taskset", "-c", f"1-{os.cpu_count() - 1}"] if ARGS.pin and (os.cpu_count() or 1) > 1 else []
+    p = subprocess.Popen([*pin, sys.executable, "-m", "ember.cli.main", "serve", "--device", "torch:cpu", "--collectives",
                           "--no-iroh", "--tcp", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True, env=ENV)
     assert p.stdout is not None
     for line in p.stdout:
@@ -86,7 +90,8 @@ def ddp() -> float:
     port = s.getsockname()[1]
     s.close()
     out = os.path.join(tempfile.mkdtemp(), "ref.pt")
-    procs = [subprocess.Popen([sys.executable, str(HERE.parent / "tests" / "ddp_reference.py"), str(r), "2",
+    pin = ["taskset", "-c", f"1-{os.cpu_count() - 1}"] if ARGS.pin and (os.cpu_count() or 1) > 1 else []
+    procs = [subprocess.Popen([*pin, sys.executable, str(HERE.parent / "tests" / "ddp_reference.py"), str(r), "2",
                                str(port), out, str(ARGS.steps), str(ARGS.batch)], env=ENV) for r in range(2)]
     for p in procs:
         p.wait(600)
@@ -95,6 +100,8 @@ def ddp() -> float:
 
 def main() -> None:
     procs = [peer(), peer()]
+    if ARGS.pin:
+        os.sched_setaffinity(0, {0})
     rows: dict[str, list[float]] = {k: [] for k in ("one", "mesh", "cpu1", "cpu2", "rep1", "rep2", "ddp")}
     try:
         addrs = [a for _, a in procs]
