@@ -136,10 +136,11 @@ class Collectives:
         return views
 
     def _finish(self, g: str, launch: Callable[[], Any], h: Any, bufs: tuple[Any, ...], scratch: int = 0,
-                name: str = "collective") -> tuple[()]:
+                name: str = "collective", fused: torch.Tensor | None = None) -> tuple[()]:
         """Run a collective after a one-int MAX all-reduce of "an operand is poisoned here", so a rank
         with a poisoned input still joins (with zeros) and every rank's result is poisoned. ``scratch``:
-        bytes the backend copies the operands into (charged, with the stand-ins, until it settles)."""
+        bytes the backend copies the operands into (charged, with the stand-ins, until it settles).
+        ``fused``: the flag rides in the collective itself (a coalesced sum or max: one round, not two)."""
         import torch.distributed as dist
         pg = self._group(g)
         if h is not None and (type(h) is not int or len(self.pending) >= MAX_PENDING or (g, h) in self.pending):
@@ -148,10 +149,13 @@ class Collectives:
         if held and self.mem is not None:
             self.mem.charge(held, lambda: f"the buffers torch.dist.{name} holds while it runs")
         try:
-            flag = torch.tensor([int(self.poisoned)], dtype=torch.int32, device=self.device)
-            o = dist.AllreduceOptions()
-            o.reduceOp = dist.ReduceOp.MAX
-            entry = (pg.allreduce([flag], o), flag, launch(), held)
+            if fused is not None:
+                entry = (None, fused, launch(), held)
+            else:
+                flag = torch.tensor([int(self.poisoned)], dtype=torch.int32, device=self.device)
+                o = dist.AllreduceOptions()
+                o.reduceOp = dist.ReduceOp.MAX
+                entry = (pg.allreduce([flag], o), flag, launch(), held)
         except BaseException:
             self._give_back(held)
             raise
@@ -169,10 +173,11 @@ class Collectives:
         flag_work, flag, work, held = entry
         try:
             work.wait()
-            flag_work.wait()
+            if flag_work is not None:
+                flag_work.wait()
         finally:
             self._give_back(held)
-        if int(flag.item()):
+        if flag.item() > 0:
             raise CollectiveError("an operand of this collective was poisoned on a peer of the mesh (it joined "
                                   "with zeros): the result is poisoned on every peer")
         return ()
@@ -193,7 +198,14 @@ class Collectives:
         oc = dist.AllreduceCoalescedOptions()
         oc.reduceOp = getattr(dist.ReduceOp, _REDUCE[op])
         flat = sum(v.numel() * v.element_size() for v in views)
-        return self._finish(g, lambda: pg.allreduce_coalesced(views, oc), h, bufs, flat, "all_reduce")
+        fused = None
+        dt = views[0].dtype
+        if op in ("sum", "avg", "max") and dt != torch.bool and not dt.is_complex:
+            # "an operand is poisoned here" as one more element of the same collective: > 0 on every
+            # rank when it is 1 on any (sum, avg and max of 0s and 1s)
+            fused = torch.tensor([int(self.poisoned)], dtype=dt, device=self.device)
+            views = [*views, fused]
+        return self._finish(g, lambda: pg.allreduce_coalesced(views, oc), h, bufs, flat, "all_reduce", fused)
 
     def broadcast(self, *bufs: Any, g: Any, l: Any, src: Any = 0, h: Any = None) -> tuple[()]:  # noqa: E741
         import torch.distributed as dist
