@@ -129,7 +129,8 @@ class Pool:
         self.broker = broker(ray)
         self.identity = identity
 
-    def _grant(self, n: int, device: str, num_cpus: float, num_gpus: float, wait: float, idle: float, host: str,
+    def _grant(self, n: int, device: str, num_cpus: float, num_gpus: float, wait: float, idle: float,
+               host: str | None,
                collectives: bool, strategy: str = "PACK") -> tuple[dict[str, Any], str]:
         ray = self.ray
         token, identity = secrets.token_hex(16), None
@@ -151,13 +152,14 @@ class Pool:
         return got, token
 
     def lease(self, device: str = "torch:cpu", *, num_cpus: float = 1, num_gpus: float = 0, wait: float = 600,
-              idle: float = 300, host: str = "127.0.0.1", collectives: bool = False) -> Lease:
-        """A peer started in a Ray actor with these resources (waits while the cluster is full)."""
+              idle: float = 300, host: str | None = None, collectives: bool = False) -> Lease:
+        """A peer started in a Ray actor with these resources (waits while the cluster is full). ``host``:
+        the address it listens on (and binds collectives to); default: its node's address as Ray knows it."""
         got, token = self._grant(1, device, num_cpus, num_gpus, wait, idle, host, collectives)
         return Lease(self, got, token)
 
     def lease_mesh(self, n: int, device: str = "torch:cpu", *, num_cpus: float = 1, num_gpus: float = 0,
-                   strategy: str = "PACK", wait: float = 600, idle: float = 300, host: str = "127.0.0.1",
+                   strategy: str = "PACK", wait: float = 600, idle: float = 300, host: str | None = None,
                    backend: str = "gloo", timeout: float = 60.0) -> MeshLease:
         """``n`` peers placed all-or-nothing (a placement group, ``PACK`` or ``STRICT_SPREAD``), as a mesh."""
         if strategy not in ("PACK", "STRICT_SPREAD", "SPREAD", "STRICT_PACK"):

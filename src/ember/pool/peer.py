@@ -17,10 +17,13 @@ from typing import Any
 class PeerActor:
     """Runs inside a Ray actor (threaded: ``ended`` blocks while the other calls are answered)."""
 
-    def __init__(self, devices: list[str], *, token: str | None, identity: str | None, host: str, idle: float,
-                 collectives: bool, offline: bool = True) -> None:
+    def __init__(self, devices: list[str], *, token: str | None, identity: str | None, host: str | None,
+                 idle: float, collectives: bool, offline: bool = True) -> None:
         from ..server import Server
         from ..server.guard.auth import identity_authorizer, token_authorizer
+        if not host:  # the address of this actor's node as Ray knows it (each peer of a mesh its own)
+            import ray
+            host = ray.util.get_node_ip_address()
         auth = identity_authorizer(identity) if identity else token_authorizer((token or "").encode())
         self.server = Server(devices, authorizer=auth, collectives=collectives, dist_host=host)
         if identity:

@@ -243,7 +243,11 @@ class Collectives:
         return self._settle(entry)
 
     def barrier(self, *, g: Any) -> tuple[()]:
-        self._group(g).barrier().wait()
+        import torch.distributed as dist
+        o = dist.BarrierOptions()
+        if self.device.type == "cuda":  # (NCCL would guess the device from the rank: this peer's own)
+            o.device_ids = [self.device.index or 0]
+        self._group(g).barrier(o).wait()
         return ()
 
     def table(self) -> dict[str, Callable[..., Any]]:
