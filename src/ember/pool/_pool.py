@@ -50,6 +50,8 @@ class Lease:
         self.actors: list[Any] = granted["actors"]
         self.actor, self.address = self.actors[0], self.addresses[0]
         self.released = False
+        self.lost: LeaseLost | None = None  # set as soon as the broker says the lease ended without us
+        pool.broker.ended.remote(self.id).future().add_done_callback(self._ended)
         try:
             self.devices: list[Device] = [connect(a, credential=credential) for a in self.addresses]
         except BaseException:
@@ -57,8 +59,19 @@ class Lease:
             raise
         self.device = self.devices[0]
 
+    def _ended(self, fut: Any) -> None:
+        """(A Ray thread) the broker's ``ended`` call returned: the lease is over."""
+        try:
+            why = fut.result()["why"]
+        except Exception as e:  # noqa: BLE001 - the broker itself is gone
+            why = f"the pool's broker is gone ({type(e).__name__})"
+        if not self.released:
+            self.lost = LeaseLost(f"the lease of {', '.join(self.addresses)} ended: {why}", hint="lease another peer")
+
     def check(self, timeout: float = 10.0) -> None:
         """Raise :class:`LeaseLost` (why, naming the peer) if the lease ended without its holder."""
+        if self.lost is not None:
+            raise self.lost
         ray = self.pool.ray
         try:
             st = ray.get(self.pool.broker.state.remote(self.id), timeout=timeout)

@@ -26,7 +26,7 @@ KEEP_ENDED = 256
 
 
 class _Held:
-    __slots__ = ("id", "spec", "actors", "pg", "addresses", "state", "why", "since", "watch")
+    __slots__ = ("id", "spec", "actors", "pg", "addresses", "state", "why", "since", "watch", "done")
 
     def __init__(self, lid: str, spec: dict[str, Any]) -> None:
         self.id, self.spec = lid, spec
@@ -35,6 +35,7 @@ class _Held:
         self.addresses: list[str] = []
         self.state, self.why, self.since = "pending", "", time.time()
         self.watch: asyncio.Task[None] | None = None
+        self.done = asyncio.Event()  # set when the lease ends (its holder's watch returns)
 
 
 def _wrapped(ref: Any) -> "asyncio.Future[Any]":
@@ -118,6 +119,7 @@ class Broker:
 
     def _end(self, h: _Held, state: str, why: str) -> None:
         h.state, h.why, h.since = state, why, time.time()
+        h.done.set()
         self._free(h)
         self.leases.pop(h.id, None)
         self.ended[h.id] = h
@@ -138,13 +140,13 @@ class Broker:
                 pass
             h.pg = None
 
-    async def release(self, lid: str) -> bool:
+    async def release(self, lid: str, why: str = "released by its holder") -> bool:
         h = self.leases.get(lid)
         if h is None:
             return False
         if h.watch is not None:
             h.watch.cancel()
-        self._end(h, "released", "released by its holder")
+        self._end(h, "released", why)
         return True
 
     async def state(self, lid: str) -> dict[str, Any]:
@@ -152,6 +154,13 @@ class Broker:
         if h is None:
             return {"state": "unknown", "why": "this broker never granted the lease (or it forgot it)"}
         return {"state": h.state, "why": h.why}
+
+    async def ended(self, lid: str) -> dict[str, Any]:
+        """Returns when the lease ends (its holder keeps this call pending: it learns at once)."""
+        h = self.leases.get(lid)
+        if h is not None:
+            await h.done.wait()
+        return await self.state(lid)
 
     async def status(self) -> dict[str, Any]:
         now = time.time()
@@ -164,7 +173,7 @@ class Broker:
         """Release every lease (actors killed, groups removed); the caller then kills this actor."""
         n = 0
         for lid in list(self.leases):
-            n += await self.release(lid)
+            n += await self.release(lid, "the broker was stopped (ember pool stop)")
         return n
 
 
