@@ -1,6 +1,8 @@
 """A mesh of two real `ember serve --device torch:cpu --collectives` peers on loopback: collectives among
 the peers (torch.distributed gloo), DataParallel bit-equal to torch's DistributedDataParallel over gloo
-in two local processes, no_sync, two meshes on the same peers, a killed peer, refusals."""
+in two local processes (an MLP and a small GPT; each step replayed as one op graph on every peer, the
+client encoding each batch once), no_sync, a poisoned rank in a replayed step, two meshes on the same
+peers, a killed peer, budgets, refusals."""
 
 from __future__ import annotations
 
@@ -19,13 +21,13 @@ torch = pytest.importorskip("torch")
 
 import ember  # noqa: E402
 import ember.torch  # noqa: E402
-from ember.errors import RemoteExecutionError  # noqa: E402
+from ember.errors import LimitExceeded, RemoteExecutionError  # noqa: E402
 from ember.protocol import messages as m  # noqa: E402
 from ember.server import Server  # noqa: E402
 from ember.torch import DataParallel, MeshError, MeshPeerLost  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ddp_reference import batches, loss_of, make_mlp  # noqa: E402
+from ddp_reference import batches, loss_of, make_mlp, make_model  # noqa: E402
 from test_core_cli import address_of as serve_address, spawn_serve  # noqa: E402
 
 ENV = {**os.environ, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
@@ -67,12 +69,24 @@ def free_port() -> int:
     return port
 
 
+def reference(tmp_path, steps: int, kind: str = "mlp") -> tuple[list[subprocess.Popen], Path]:
+    """torch DDP over gloo in two local processes (tests/ddp_reference.py), started now."""
+    out, port = tmp_path / f"ref-{kind}.pt", free_port()
+    env = {**ENV, "DDP_REFERENCE_MODEL": kind}
+    return [subprocess.Popen([sys.executable, REFERENCE, str(r), "2", str(port), str(out), str(steps)], env=env)
+            for r in range(2)], out
+
+
+def reference_params(procs: list[subprocess.Popen], out: Path) -> list[torch.Tensor]:
+    for p in procs:
+        assert p.wait(90) == 0
+    return torch.load(out)["params"]
+
+
 @pytest.mark.timeout(120)
 def test_data_parallel_is_bit_equal_to_torch_ddp_over_gloo(peers, tmp_path):
-    steps, out = 3, tmp_path / "ref.pt"
-    port = free_port()
-    ref = [subprocess.Popen([sys.executable, REFERENCE, str(r), "2", str(port), str(out), str(steps)], env=ENV)
-           for r in range(2)]
+    steps = 5
+    ref, out = reference(tmp_path, steps)
     mesh = ember.torch.mesh(peers, timeout=20)
     try:
         with mesh:
@@ -85,11 +99,13 @@ def test_data_parallel_is_bit_equal_to_torch_ddp_over_gloo(peers, tmp_path):
                 opt.step()
             got = [p.detach().cpu() for p in model.parameters()]
             mean_loss = mesh.mean(loss).item()
-    finally:
+        leader, follower = mesh.session.peers
+        assert leader.stats["replays"] >= steps - 2  # each step after the second is one REPLAY...
+        own = follower.stats["ops"]  # messages for rank 1 alone: its join and its shards (x, y a step)
+        assert own <= 2 * steps + 2 < leader.stats["ops"] and follower.stats["bytes_sent"] >= leader.stats["bytes_sent"] // 2
+    finally:  # ... encoded once by rank 0's session, the same frames sent to rank 1
         mesh.close()
-    for p in ref:
-        assert p.wait(90) == 0
-    want = torch.load(out)["params"]
+    want = reference_params(ref, out)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     # ... and close to one process training on the whole batch
     whole = make_mlp()
@@ -102,6 +118,52 @@ def test_data_parallel_is_bit_equal_to_torch_ddp_over_gloo(peers, tmp_path):
         opt.step()
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, whole.parameters()))
     assert mean_loss == pytest.approx(sum(halves) / 2, rel=1e-5)  # the mean over the peers, not rank 0's
+
+
+@pytest.mark.timeout(150)
+def test_a_small_gpt_is_bit_equal_to_torch_ddp_over_gloo(peers, tmp_path):
+    steps = 4
+    ref, out = reference(tmp_path, steps, "gpt")
+    mesh = ember.torch.mesh(peers, timeout=30)
+    try:
+        with mesh:
+            model = DataParallel(make_model("gpt").to("ember"))
+            assert model.module.wte.weight is model.module.lm_head.weight  # tied: one parameter
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in batches(steps, kind="gpt"):
+                opt.zero_grad()
+                loss_of(model, mesh.shard(x), mesh.shard(y), kind="gpt").backward()
+                opt.step()
+            got = [p.detach().cpu() for p in model.parameters()]
+    finally:
+        mesh.close()
+    want = reference_params(ref, out)
+    assert len(got) == len(want)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), max((a - b).abs().max().item() for a, b in zip(got, want))
+
+
+@pytest.mark.timeout(150)
+def test_torch_compile_on_a_mesh_is_bit_equal_to_torch_ddp(peers, tmp_path):
+    from ember.torch import _compile
+    steps = 5
+    ref, out = reference(tmp_path, steps)
+    mesh = ember.torch.mesh(peers, timeout=20)
+    replays = _compile.stats["replays"]
+    try:
+        with mesh:
+            model = DataParallel(make_mlp().to("ember"))
+            run = torch.compile(model, backend="ember")
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in batches(steps):
+                opt.zero_grad()
+                loss_of(run, mesh.shard(x), mesh.shard(y)).backward()
+                opt.step()
+            got = [p.detach().cpu() for p in model.parameters()]
+    finally:
+        mesh.close()
+    assert _compile.stats["replays"] > replays  # the compiled graphs were recorded once, then replayed
+    want = reference_params(ref, out)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.timeout(90)
@@ -146,6 +208,12 @@ def test_collectives_run_among_the_peers(peers):
             r = torch.empty(1, device="ember")
             mesh.reduce_scatter_tensor(r, x.reshape(-1).clone())
             assert r.cpu().tolist() == [11.0]  # rank 0's half of the sum
+            a, b = x.clone(), x.clone() * 2  # several operands: each reduced on its own (coalesced)
+            mesh.all_reduce(a, b)
+            assert a.cpu().tolist() == [[11.0, 22.0]] and b.cpu().tolist() == [[22.0, 44.0]]
+            c, d = x.clone(), x.clone() + 1
+            mesh.broadcast(c, d, src=1)
+            assert c.cpu().tolist() == [[10.0, 20.0]] and d.cpu().tolist() == [[11.0, 21.0]]
             w = mesh.all_reduce(x, op="max", async_op=True)
             assert w is not None
             w.wait()
@@ -172,6 +240,56 @@ def test_a_poisoned_input_on_one_rank_still_joins_and_poisons_every_rank(peers):
             assert good.cpu().tolist() == [2.0, 2.0]
     finally:
         mesh.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_poisoned_rank_in_a_replayed_step_still_joins_and_poisons_every_rank(peers):
+    mesh = ember.torch.mesh(peers, timeout=20)
+    try:
+        with mesh:
+            w = torch.arange(6.0, device="ember").reshape(3, 2)
+
+            def step(idx: list[int]) -> torch.Tensor:  # a group of ops between two boundaries
+                r = torch.index_select(w, 0, mesh.shard(torch.tensor(idx)))
+                for _ in range(4):
+                    r = (r * 2 + 1).sin()
+                mesh.all_reduce(r)
+                return r
+            want = step([0, 1]).cpu()
+            for _ in range(3):
+                assert torch.equal(step([0, 1]).cpu(), want)
+            replays = mesh.session.leader.stats["replays"]
+            bad = step([0, 7])  # rank 1's index is out of range: only rank 1 fails, in a replayed step
+            with pytest.raises(RemoteExecutionError, match="poisoned on a peer"):
+                bad.cpu()
+            assert mesh.session.leader.stats["replays"] == replays + 1
+            assert torch.equal(step([0, 1]).cpu(), want)  # the group goes on
+    finally:
+        mesh.close()
+
+
+@pytest.mark.timeout(60)
+def test_what_a_collective_holds_is_charged_to_the_session_budget():
+    servers = []
+    for _ in range(2):  # two in-process peers with a 1 MiB session budget
+        s = Server(["torch:cpu"], collectives=True, dist_host="127.0.0.1", session_memory=1 << 20)
+        s.listen_tcp("127.0.0.1", 0)
+        servers.append(s)
+    try:
+        mesh = ember.torch.mesh([s.start_in_thread()[0] for s in servers], timeout=10)
+        with mesh:
+            a, b = torch.ones(300_000 // 4, device="ember"), torch.ones(300_000 // 4, device="ember")
+            mesh.all_reduce(a, b)  # 600 kB held + a 600 kB flat copy: over the budget on both peers
+            with pytest.raises(LimitExceeded, match="holds while it runs"):
+                a.cpu()
+            small = torch.ones(1000, device="ember")
+            c = small * 3
+            mesh.all_reduce(small, c)  # within it: the group goes on
+            assert small.cpu()[0].item() == 2.0 and c.cpu()[0].item() == 6.0
+        mesh.close()
+    finally:
+        for s in servers:
+            s.close()
 
 
 @pytest.mark.timeout(60)

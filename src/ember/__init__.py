@@ -28,5 +28,12 @@ def custom_op(name: str, *arrays: object, outputs: list[tuple[tuple[int, ...], o
     return call(name, arrays, outputs, device, scalars)
 
 
+def __getattr__(name: str) -> object:
+    if name == "pool":  # ember.pool(...): a pool of peers on Ray (imported on first use; ember[ray])
+        import importlib
+        return importlib.import_module(".pool", __name__)
+    raise AttributeError(f"module 'ember' has no attribute {name!r}")
+
+
 __all__ = ["__version__", "errors", "EmberError", "Device", "connect", "devices", "set_default_device",
            "default_device", "custom_op", "set_progress"]

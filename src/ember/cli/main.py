@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     launch_options(r)
     _log_options(r, top=False)
 
+    po = sub.add_parser("pool", help="the broker that leases peers from a Ray cluster (ember[ray])")
+    from .pool import add_options as pool_options
+    pool_options(po)
+    _log_options(po, top=False)
+
     from ..bench import build_parser as bench_options
     b = sub.add_parser("bench", help="the benchmark suite: every figure per transport, next to baselines")
     bench_options(b)
@@ -137,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "run":
             from .launch import run as launch
             return launch(args)
+        if args.command == "pool":
+            from .pool import run as pool_run
+            return pool_run(args)
         if args.command == "bench":
             from ..bench import run_args
             run_args(args)

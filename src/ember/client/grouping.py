@@ -82,7 +82,7 @@ class GroupHolding:
             k = max(0, mb - len(p))
             p.extend(ops[:k])
             ops = ops[k:]
-            self._flush_locked(False, False)
+            self._flush_locked(False, drops_too=False)
             p = self._pending
         p.extend(ops)
         if len(p) >= mb:  # (every caller flushes or arms the idle timer next)

@@ -39,6 +39,7 @@ from ..protocol import codec
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
 from .bulk import BulkData, ReadTimeout, Upload, Waiter, size_text
+from .fanout import FanOut
 from .grouping import GroupHolding
 from .lanes import LaneData, StripedUpload
 from . import batch
@@ -48,7 +49,7 @@ _sessions: "weakref.WeakSet[ClientSession]" = weakref.WeakSet()
 _OP = m.OP
 
 
-class ClientSession(BulkData, LaneData, GroupHolding):
+class ClientSession(BulkData, LaneData, GroupHolding, FanOut):
     """One session with one device of one peer."""
 
     def __init__(self, conn: FrameConnection, welcome: dict[str, Any], loop: asyncio.AbstractEventLoop, *,
@@ -168,16 +169,17 @@ class ClientSession(BulkData, LaneData, GroupHolding):
         with self._lock:
             self._flush_locked()
 
-    def _flush_locked(self, boundary: bool = True, drops_too: bool = True) -> None:
+    def _flush_locked(self, boundary: bool = True, drops_too: bool = True, fan: bool = True) -> None:
         """Encode and queue the pending batch. ``boundary``: also end the current op group; ``drops_too``:
-        False while a long group goes out in batches (a release must follow every op recorded before it)."""
+        False while a long group goes out in batches (a release must follow every op recorded before it);
+        ``fan``: queue it on the followers too (a mesh, :meth:`fanout`)."""
         if boundary:
             g = self._grp
             if g is None or g:
                 self._end_group()
         p = self._pending
         drops = self._drops
-        if drops and drops_too:
+        if drops and drops_too and (fan or not self._fan):  # (a drop of a mesh goes to every peer)
             ids = []
             while drops:
                 ids.append(drops.popleft())
@@ -187,6 +189,13 @@ class ClientSession(BulkData, LaneData, GroupHolding):
         if not p:
             return
         self._pending = []
+        if self._own:  # a mesh's leader: its own messages (its shard's upload) go to it alone
+            self._split(p, fan)
+        else:
+            self._queue(p, fan)
+
+    def _queue(self, p: list[list[Any]], fan: bool) -> None:
+        """Encode a batch and queue its frames (and on the followers, ``fan``)."""
         try:
             frames = None if self._poisoned else [codec.packb(p)]
         except Exception:  # a message the protocol cannot carry: never the whole batch (client/batch.py)
@@ -207,7 +216,11 @@ class ClientSession(BulkData, LaneData, GroupHolding):
             self.stats["bytes_sent"] += len(frame)
             self._frames.append(frame)
         if frames:
-            self.loop.call_soon_threadsafe(self._kick)
+            if fan and self._fan:
+                self._fan_out(frames)
+                self.loop.call_soon_threadsafe(self._kick_all)
+            else:
+                self.loop.call_soon_threadsafe(self._kick)
 
     def send_alone(self, msg: list[Any]) -> None:
         """Send ``msg`` as a batch of its own, after everything recorded so far."""
@@ -232,8 +245,10 @@ class ClientSession(BulkData, LaneData, GroupHolding):
             g = self._grp
             if g is None or g:
                 self._end_group()
+            if self._fan:  # the ops before go to every peer of the mesh; the request to this one only
+                self._flush_locked(False)
             self._pending.append([kind, req, *fields])
-            self._flush_locked(False)
+            self._flush_locked(False, fan=False)
         t = self.read_timeout if timeout is None else timeout
         if progress is not None:
             try:

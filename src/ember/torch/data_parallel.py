@@ -3,8 +3,9 @@
 The parameters are broadcast from rank 0 once. During backward, each parameter's gradient,
 once accumulated, marks its bucket ready (buckets of ``bucket_cap_mb``, the first one 1 MB,
 filled in reverse parameter order as DDP does); a ready bucket is flattened, divided by the
-world size and all-reduced (SUM) asynchronously on the peers while the rest of backward runs;
-at the end of backward every bucket is waited for and copied back into the gradients.
+world size and all-reduced (SUM, one coalesced collective per bucket) asynchronously on the peers
+while the rest of backward runs; at the end of backward every bucket is waited for. Each bucket keeps
+its async handle, so every step is the same ops and replays as one op graph on every peer.
 :meth:`DataParallel.no_sync` skips all of it (gradients accumulate locally) until a backward
 outside it. Everything is recorded once and runs on every peer (the client moves no gradient).
 """
@@ -23,13 +24,14 @@ FIRST_BUCKET_BYTES = 1 << 20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 
 
 class _Bucket:
-    __slots__ = ("params", "ready", "flat", "work")
+    __slots__ = ("params", "ready", "flat", "work", "handle")
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
         self.ready = 0
-        self.flat: torch.Tensor | None = None
+        self.flat: torch.Tensor | None = None  # (only when a gradient is not contiguous: flattened)
         self.work: Work | None = None
+        self.handle = 0
 
 
 class DataParallel(torch.nn.Module):
@@ -48,6 +50,8 @@ class DataParallel(torch.nn.Module):
         self.mesh: Mesh = dev
         self.buckets = _assign(params, int(bucket_cap_mb * (1 << 20)))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        for b, h in zip(self.buckets, self.mesh.reserve_handles(len(self.buckets))):
+            b.handle = h  # the same every step: a step is the same ops, replayed as one graph
         self._sync = True
         self._queued = False
         if broadcast:
@@ -83,15 +87,21 @@ class DataParallel(torch.nn.Module):
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
+        """Divide the bucket's gradients by the world size, then all-reduce them as one coalesced
+        collective (the peer flattens them, as DDP's bucket does), asynchronously."""
         with torch.no_grad():
             grads = []
             for p in b.params:
                 if p.grad is None:  # unused in this forward: contributes zeros, as DDP does
                     p.grad = torch.zeros_like(p)
-                grads.append(p.grad.reshape(-1))
-            flat = torch.cat(grads)
+                grads.append(p.grad)
+            if all(g.is_contiguous() for g in grads):
+                torch._foreach_div_(grads, self.mesh.size)
+                b.work = self.mesh.all_reduce(*grads, async_op=True, handle=b.handle)
+                return
+            flat = torch.cat([g.reshape(-1) for g in grads])
             flat.div_(self.mesh.size)
-            b.flat, b.work = flat, self.mesh.all_reduce(flat, async_op=True)
+            b.flat, b.work = flat, self.mesh.all_reduce(flat, async_op=True, handle=b.handle)
 
     def _finish(self) -> None:
         self._queued = False
@@ -100,8 +110,11 @@ class DataParallel(torch.nn.Module):
                 if b.work is None:
                     self._launch(b)
             for b in self.buckets:
-                assert b.work is not None and b.flat is not None
+                assert b.work is not None
                 b.work.wait()
+                if b.flat is None:
+                    b.ready, b.work = 0, None
+                    continue
                 off = 0
                 for p in b.params:
                     g = p.grad

@@ -56,25 +56,32 @@ class _Given:
 
 
 class MeshSession:
-    """What ember.torch sees as a session: each message goes to every peer's session, same ids."""
+    """What ember.torch sees as a session: one recording for every peer of the mesh.
+
+    Rank 0's session (the leader) records, groups (op-graph caching) and encodes each batch once;
+    the same frames are queued on every other peer's connection (``ClientSession.fanout``), so the
+    client's CPU per step is that of one peer. Only uploads of per-peer data (:meth:`upload_each`),
+    the mesh's formation and requests go to a peer alone."""
 
     def __init__(self, peers: list[ClientSession], names: list[str]) -> None:
         self.peers, self.names = peers, names
+        self.leader = peers[0]
         self.ids = itertools.count(1)
         self._given = [_Given() for _ in peers]
         for s, g in zip(peers, self._given):
             s.ids = g  # type: ignore[assignment]  # only uploads draw ids there: the mesh sets them
+        self.leader.fanout(peers[1:])
         self._lock = threading.Lock()  # one recording order for every peer
         self.address = "mesh(" + ", ".join(names) + ")"
         self.device = peers[0].device
 
     @property
     def welcome(self) -> dict[str, Any]:
-        return self.peers[0].welcome
+        return self.leader.welcome
 
     @property
     def stats(self) -> dict[str, Any]:
-        return self.peers[0].stats
+        return self.leader.stats
 
     @property
     def lost(self) -> EmberError | None:
@@ -92,25 +99,36 @@ class MeshSession:
     def record(self, msg: list[Any]) -> None:
         self._check()
         with self._lock:
-            for s in self.peers:
-                s.record(msg)
+            self.leader.record(msg)
+
+    def record_each(self, msgs: Sequence[list[Any]]) -> None:
+        """``msgs[i]`` to peer i alone (after everything recorded before, on every peer)."""
+        self._check()
+        with self._lock:
+            for s, msg in zip(self.peers, msgs):
+                with s.own():
+                    s.record(msg)
 
     def release(self, tid: int) -> None:
-        for s in self.peers:
-            s.release(tid)
+        self.leader.release(tid)
 
     def flush(self) -> None:
-        for s in self.peers:
-            s.flush()
+        self.leader.flush()
 
     def send_alone(self, msg: list[Any]) -> None:
         self._check()
         with self._lock:
-            for s in self.peers:
-                s.send_alone(msg)
+            self.leader.send_alone(msg)
 
     def upload(self, arr: Any, progress: Any = None) -> int:
-        """The same bytes to every peer, under one new id."""
+        """The same bytes to every peer, under one new id (a small array: encoded once, in the batch)."""
+        if getattr(arr, "nbytes", len(arr) if isinstance(arr, (bytes, bytearray, memoryview)) else 1 << 30) \
+                <= m.INLINE_DATA:
+            self._check()
+            with self._lock:
+                tid = self._given[0].value = next(self.ids)
+                self.leader.upload(arr, progress)
+            return tid
         return self.upload_each([arr] * len(self.peers), progress)
 
     def upload_each(self, arrays: Sequence[Any], progress: Any = None) -> int:
@@ -118,9 +136,11 @@ class MeshSession:
         self._check()
         with self._lock:
             tid = next(self.ids)
-            for s, g, a in zip(self.peers, self._given, arrays):
+            for g in self._given:
                 g.value = tid
-                s.upload(a, progress)
+            self.leader.upload_own(arrays[0], progress)  # (not fanned out: a batch's own message)
+            for s, a in zip(self.peers[1:], arrays[1:]):
+                s.upload(a, progress)  # (queued before the next batch fanned out to it)
         return tid
 
     def request(self, kind: int, *fields: Any, timeout: float | None = None, progress: Any = None,
@@ -128,13 +148,11 @@ class MeshSession:
         """Ask rank 0 (a read answers its value); a lost peer answers :class:`MeshPeerLost`."""
         self._check()
         if kind == m.SYNC:
-            for s in self.peers:
-                s.flush()
+            self.leader.flush()
             for s in self.peers:
                 self._ask(s, kind, fields, timeout, progress, nbytes)
             return None
-        self.flush()  # every peer runs what rank 0 is asked about (it may wait on them in a collective)
-        return self._ask(self.peers[0], kind, fields, timeout, progress, nbytes)
+        return self._ask(self.leader, kind, fields, timeout, progress, nbytes)
 
     def _ask(self, s: ClientSession, kind: int, fields: Any, timeout: Any, progress: Any, nbytes: int) -> Any:
         try:
@@ -147,6 +165,11 @@ class MeshSession:
         self.request(m.SYNC, timeout=timeout)
 
     def close(self) -> None:
+        try:
+            self.leader.flush()
+        except EmberError:
+            pass
+        self.leader._fan = None
         for s in self.peers:
             s.close()
 
@@ -163,6 +186,7 @@ class Mesh(Device):
         self._session = MeshSession([d.session for d in devices], [d.address for d in devices])  # type: ignore[assignment]
         self.group = secrets.token_hex(16)
         self._handles = itertools.count(1)
+        self._reserved = itertools.count(1 << 32)  # handles reused every step (DataParallel's buckets)
         self._form()
 
     @property
@@ -182,18 +206,18 @@ class Mesh(Device):
         ms: MeshSession = self._session  # type: ignore[assignment]
         first = ms.peers[0]
         sid = next(ms.ids)
-        first.record([_OP, "torch.dist.store", [], 0, [sid], None])
+        with first.own():
+            first.record([_OP, "torch.dist.store", [], 0, [sid], None])
         try:
             store = bytes(_read_value(first, sid)).decode()
         except EmberError as e:
             raise MeshError(f"{ms.names[0]} cannot host the mesh's store: {e.message}",
                             hint="serve every mesh peer with `ember serve --device torch:... --collectives`") from None
         jid = next(ms.ids)
-        for rank, s in enumerate(ms.peers):
-            s.record([_OP, "torch.dist.join", [], 0, [jid], {"g": self.group, "store": store, "rank": rank,
-                                                         "size": self.size, "timeout": float(self.timeout),
-                                                         "backend": self.backend}])
-            s.flush()
+        ms.record_each([[_OP, "torch.dist.join", [], 0, [jid], {"g": self.group, "store": store, "rank": rank,
+                                                               "size": self.size, "timeout": float(self.timeout),
+                                                               "backend": self.backend}]
+                        for rank in range(self.size)])
         for rank, (name, s) in enumerate(zip(ms.names, ms.peers)):
             try:
                 got = _read_value(s, jid, self.timeout + 30)
@@ -214,11 +238,20 @@ class Mesh(Device):
         n = self.size
         if x.shape[dim] % n:
             raise ValueError(f"mesh.shard: dim {dim} of size {x.shape[dim]} does not split in {n} equal slices")
-        parts = [p.detach().contiguous() for p in x.chunk(n, dim)]
         ms: MeshSession = self.session
-        sid = ms.upload_each([_bytes_of(p) for p in parts], choose(None, parts[0].numel() * parts[0].element_size()))
-        p = parts[0]
-        return new_tensor(p.dtype, p.shape, p.stride(), 0, ref=StorageRef(sid, ms, self))  # type: ignore[arg-type]
+        shape = list(x.shape)
+        shape[dim] //= n
+        if dim == 0 or all(s == 1 for s in x.shape[:dim]):  # slices of the bytes: no copy per slice
+            rows = _bytes_of(x.detach().contiguous()).reshape(n, -1)
+            arrays = [rows[i] for i in range(n)]
+        else:
+            arrays = [_bytes_of(p.detach().contiguous()) for p in x.chunk(n, dim)]
+        sid = ms.upload_each(arrays, choose(None, arrays[0].nbytes))
+        stride, acc = [0] * len(shape), 1
+        for i in range(len(shape) - 1, -1, -1):
+            stride[i] = acc
+            acc *= max(shape[i], 1)
+        return new_tensor(x.dtype, torch.Size(shape), tuple(stride), 0, ref=StorageRef(sid, ms, self))  # type: ignore[arg-type]
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
         """The mean over the peers of ``t`` (a new tensor; its read answers the mean)."""
@@ -228,7 +261,13 @@ class Mesh(Device):
             return c.div_(self.size)
 
     # ---- collectives ----------------------------------------------------------------
-    def _collective(self, name: str, tensors: list[torch.Tensor], async_op: bool = False, **kw: Any) -> "Work | None":
+    def reserve_handles(self, n: int) -> list[int]:
+        """``n`` async handles of one's own, to reuse every step (each waited for before its next use):
+        the same ops every step replay as one graph on the peers (an op-graph's keywords must match)."""
+        return [next(self._reserved) for _ in range(n)]
+
+    def _collective(self, name: str, tensors: list[torch.Tensor], async_op: bool = False, handle: int | None = None,
+                    **kw: Any) -> "Work | None":
         from ._devices import materialize
         refs = [ref_of(t) for t in tensors]
         for r in refs:
@@ -238,25 +277,28 @@ class Mesh(Device):
                 materialize(r)
         kw["g"] = self.group
         kw["l"] = [layout_of(t) for t in tensors]
-        h = next(self._handles) if async_op else None
+        h = (next(self._handles) if handle is None else handle) if async_op else None
         kw["h"] = h
         self.session.record([_OP, "torch.dist." + name, [r.sid for r in refs], 0, [], kw])
         return Work(self, tensors, h) if h is not None else None
 
-    def all_reduce(self, *tensors: torch.Tensor, op: str = "sum", async_op: bool = False) -> "Work | None":
-        """Reduce ``tensors`` (contiguous) in place over the peers."""
-        return self._collective("all_reduce", list(tensors), async_op, op=op)
+    def all_reduce(self, *tensors: torch.Tensor, op: str = "sum", async_op: bool = False,
+                   handle: int | None = None) -> "Work | None":
+        """Reduce each of ``tensors`` (contiguous; several: of one dtype, coalesced in one collective)
+        in place over the peers."""
+        return self._collective("all_reduce", list(tensors), async_op, handle, op=op)
 
-    def broadcast(self, *tensors: torch.Tensor, src: int = 0, async_op: bool = False) -> "Work | None":
+    def broadcast(self, *tensors: torch.Tensor, src: int = 0, async_op: bool = False,
+                  handle: int | None = None) -> "Work | None":
         """Every peer's ``tensors`` become rank ``src``'s."""
-        return self._collective("broadcast", list(tensors), async_op, src=src)
+        return self._collective("broadcast", list(tensors), async_op, handle, src=src)
 
     def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False) -> "Work | None":
-        return self._collective("all_gather", [out, inp], async_op)
+        return self._collective("all_gather", [out, inp], async_op, None)
 
     def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum",
                               async_op: bool = False) -> "Work | None":
-        return self._collective("reduce_scatter", [out, inp], async_op, op=op)
+        return self._collective("reduce_scatter", [out, inp], async_op, None, op=op)
 
     def barrier(self) -> None:
         """Wait until every peer reached this point of the recording."""

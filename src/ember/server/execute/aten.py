@@ -428,14 +428,15 @@ class AtenOps(dict):  # type: ignore[type-arg]
     """A session's op table on a torch device: the device's Array API table, Ember's own torch ops,
     and on first use one kernel per vetted ATen overload (a refused name gets a kernel that says why)."""
 
-    def __init__(self, base: dict[str, Callable[..., Any]], device: torch.device, max_tensor: int) -> None:
+    def __init__(self, base: dict[str, Callable[..., Any]], device: torch.device, max_tensor: int,
+                 memory: Any = None) -> None:
         super().__init__(base)
         self.device = device
         self.rng = SessionRandom(device)
         self.update(internal_ops(device, self.rng, max_tensor))
         make = base.get(SESSION_OPS)  # type: ignore[call-overload]
         if make is not None:
-            self.update(make(device))
+            self.update(make(device, memory))  # (collectives charge what they hold to the session)
 
     def __missing__(self, name: Any) -> Callable[..., Any]:
         if not isinstance(name, str) or not name.startswith("aten."):

@@ -12,10 +12,16 @@ The ops (all in place on the operands' storages, which a failure poisons; ``l``:
 
 * ``torch.dist.store()`` -> ``"host:port"`` (uint8): host the mesh's TCPStore here.
 * ``torch.dist.join(g, store, rank, size, timeout, backend)`` -> ``[rank]`` (int64): form group ``g``.
-* ``torch.dist.all_reduce(*bufs, g, l, op, h)``, ``broadcast(*bufs, g, l, src, h)``,
-  ``all_gather(out, in, g, l, h)`` (into one tensor), ``reduce_scatter(out, in, g, l, op, h)``:
-  with ``h`` (an int) the work runs asynchronously until ``torch.dist.wait(*bufs, g, h)``.
+* ``torch.dist.all_reduce(*bufs, g, l, op, h)`` (several operands: one coalesced all-reduce, each
+  reduced on its own), ``broadcast(*bufs, g, l, src, h)``, ``all_gather(out, in, g, l, h)`` (into one
+  tensor), ``reduce_scatter(out, in, g, l, op, h)``: with ``h`` (an int) the work runs asynchronously
+  until ``torch.dist.wait(*bufs, g, h)``.
 * ``torch.dist.barrier(g)``, ``torch.dist.leave(g)``.
+
+Memory: what a collective holds while it runs -- the flat copy a coalesced all-reduce or a
+reduce-scatter makes, the zeros a poisoned operand joins with -- is charged to the session's budget
+from its launch until it settles (the wait, for an async one). A refused charge fails the collective
+on this peer (its operands poisoned); the other ranks then fail within the group's timeout.
 """
 
 from __future__ import annotations
@@ -43,12 +49,13 @@ class CollectiveError(ValueError):
 class Collectives:
     """One session's process groups and pending async works on one device."""
 
-    def __init__(self, device: torch.device, dist_host: str, allow: frozenset[str] | None) -> None:
-        self.device, self.dist_host, self.allow = device, dist_host, allow
+    def __init__(self, device: torch.device, dist_host: str, allow: frozenset[str] | None, mem: Any = None) -> None:
+        self.device, self.dist_host, self.allow, self.mem = device, dist_host, allow, mem
         self.groups: dict[str, Any] = {}
         self.stores: list[Any] = []
         self.pending: dict[tuple[str, int], Any] = {}
         self.poisoned = False  # the collective being called got a poisoned operand (zeros stand in)
+        self.stand_in = 0      # bytes of the zeros standing in for poisoned operands (charged)
 
     # ---- forming a group ------------------------------------------------------------
     def store(self) -> torch.Tensor:
@@ -110,7 +117,7 @@ class Collectives:
     def leave(self, *, g: Any) -> tuple[()]:
         self.groups.pop(g, None)
         for k in [k for k in self.pending if k[0] == g]:
-            del self.pending[k]
+            self._give_back(self.pending.pop(k)[3])
         return ()
 
     # ---- running collectives ------------------------------------------------------------
@@ -128,21 +135,51 @@ class Collectives:
             raise CollectiveError("collective operands must be contiguous")
         return views
 
-    def _finish(self, g: str, launch: Callable[[], Any], h: Any, bufs: tuple[Any, ...]) -> tuple[()]:
+    def _finish(self, g: str, launch: Callable[[], Any], h: Any, bufs: tuple[Any, ...], scratch: int = 0,
+                name: str = "collective", fused: torch.Tensor | None = None) -> tuple[()]:
         """Run a collective after a one-int MAX all-reduce of "an operand is poisoned here", so a rank
-        with a poisoned input still joins (with zeros) and every rank's result is poisoned."""
+        with a poisoned input still joins (with zeros) and every rank's result is poisoned. ``scratch``:
+        bytes the backend copies the operands into (charged, with the stand-ins, until it settles).
+        ``fused``: the flag rides in the collective itself (a coalesced sum or max: one round, not two)."""
         import torch.distributed as dist
         pg = self._group(g)
         if h is not None and (type(h) is not int or len(self.pending) >= MAX_PENDING or (g, h) in self.pending):
             raise CollectiveError(f"async handle {h!r}: an int not pending already (at most {MAX_PENDING})")
-        flag = torch.tensor([int(self.poisoned)], dtype=torch.int32, device=self.device)
-        o = dist.AllreduceOptions()
-        o.reduceOp = dist.ReduceOp.MAX
-        entry = (pg.allreduce([flag], o), flag, launch())
+        held = scratch + self.stand_in
+        if held and self.mem is not None:
+            self.mem.charge(held, lambda: f"the buffers torch.dist.{name} holds while it runs")
+        try:
+            if fused is not None:
+                entry = (None, fused, launch(), held)
+            else:
+                flag = torch.tensor([int(self.poisoned)], dtype=torch.int32, device=self.device)
+                o = dist.AllreduceOptions()
+                o.reduceOp = dist.ReduceOp.MAX
+                entry = (pg.allreduce([flag], o), flag, launch(), held)
+        except BaseException:
+            self._give_back(held)
+            raise
         self.poisoned = False
         if h is None:
-            return _settle(entry)
+            return self._settle(entry)
         self.pending[(g, h)] = entry
+        return ()
+
+    def _give_back(self, n: int) -> None:
+        if n and self.mem is not None:
+            self.mem.release(n)
+
+    def _settle(self, entry: tuple[Any, Any, Any, int]) -> tuple[()]:
+        flag_work, flag, work, held = entry
+        try:
+            work.wait()
+            if flag_work is not None:
+                flag_work.wait()
+        finally:
+            self._give_back(held)
+        if flag.item() > 0:
+            raise CollectiveError("an operand of this collective was poisoned on a peer of the mesh (it joined "
+                                  "with zeros): the result is poisoned on every peer")
         return ()
 
     def all_reduce(self, *bufs: Any, g: Any, l: Any, op: Any = "sum", h: Any = None) -> tuple[()]:  # noqa: E741
@@ -150,9 +187,25 @@ class Collectives:
         pg, views = self._group(g), self._views(bufs, l)
         if op not in _REDUCE:
             raise CollectiveError(f"reduce op {str(op)[:20]!r}: one of {sorted(_REDUCE)}")
-        o = dist.AllreduceOptions()
-        o.reduceOp = getattr(dist.ReduceOp, _REDUCE[op])
-        return self._finish(g, lambda: pg.allreduce(views, o), h, bufs)
+        if len(views) == 1:
+            o = dist.AllreduceOptions()
+            o.reduceOp = getattr(dist.ReduceOp, _REDUCE[op])
+            return self._finish(g, lambda: pg.allreduce(views, o), h, bufs, 0, "all_reduce")
+        # (a list given to allreduce means one input per local device, all reduced into one: each
+        # operand is reduced on its own by the coalesced form, which flattens them into one buffer)
+        if len({v.dtype for v in views}) != 1:
+            raise CollectiveError("a coalesced all_reduce takes operands of one dtype (one call per dtype)")
+        oc = dist.AllreduceCoalescedOptions()
+        oc.reduceOp = getattr(dist.ReduceOp, _REDUCE[op])
+        flat = sum(v.numel() * v.element_size() for v in views)
+        fused = None
+        dt = views[0].dtype
+        if op in ("sum", "avg", "max") and dt != torch.bool and not dt.is_complex:
+            # "an operand is poisoned here" as one more element of the same collective: > 0 on every
+            # rank when it is 1 on any (sum, avg and max of 0s and 1s)
+            fused = torch.tensor([int(self.poisoned)], dtype=dt, device=self.device)
+            views = [*views, fused]
+        return self._finish(g, lambda: pg.allreduce_coalesced(views, oc), h, bufs, flat, "all_reduce", fused)
 
     def broadcast(self, *bufs: Any, g: Any, l: Any, src: Any = 0, h: Any = None) -> tuple[()]:  # noqa: E741
         import torch.distributed as dist
@@ -161,14 +214,15 @@ class Collectives:
             raise CollectiveError(f"broadcast source {src!r} is not a rank of the group")
         o = dist.BroadcastOptions()
         o.rootRank = src
-        return self._finish(g, lambda: pg.broadcast(views, o), h, bufs)
+        # (one broadcast per operand: a list would mean one tensor per local device, all given the first's)
+        return self._finish(g, lambda: _Works([pg.broadcast([v], o) for v in views]), h, bufs, 0, "broadcast")
 
     def all_gather(self, out: Any, inp: Any, *, g: Any, l: Any, h: Any = None) -> tuple[()]:  # noqa: E741
         pg = self._group(g)
         o, i = self._views((out, inp), l)
         if o.numel() != i.numel() * pg.size() or o.dtype != i.dtype:
             raise CollectiveError("all_gather: the output holds size x the input's elements, of its dtype")
-        return self._finish(g, lambda: pg._allgather_base(o, i), h, (out,))
+        return self._finish(g, lambda: pg._allgather_base(o, i), h, (out,), 0, "all_gather")
 
     def reduce_scatter(self, out: Any, inp: Any, *, g: Any, l: Any, op: Any = "sum",  # noqa: E741
                        h: Any = None) -> tuple[()]:
@@ -179,16 +233,21 @@ class Collectives:
             raise CollectiveError("reduce_scatter: the input holds size x the output's elements, of its dtype")
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = getattr(dist.ReduceOp, _REDUCE[op])
-        return self._finish(g, lambda: pg._reduce_scatter_base(o, i, opts), h, (out,))
+        return self._finish(g, lambda: pg._reduce_scatter_base(o, i, opts), h, (out,),
+                            i.numel() * i.element_size(), "reduce_scatter")
 
     def wait(self, *bufs: Any, g: Any, h: Any, l: Any = None) -> tuple[()]:  # noqa: E741
         entry = self.pending.pop((g, h), None) if isinstance(g, str) and type(h) is int else None
         if entry is None:
             raise CollectiveError(f"no pending collective {h!r} in this group")
-        return _settle(entry)
+        return self._settle(entry)
 
     def barrier(self, *, g: Any) -> tuple[()]:
-        self._group(g).barrier().wait()
+        import torch.distributed as dist
+        o = dist.BarrierOptions()
+        if self.device.type == "cuda":  # (NCCL would guess the device from the rank: this peer's own)
+            o.device_ids = [self.device.index or 0]
+        self._group(g).barrier(o).wait()
         return ()
 
     def table(self) -> dict[str, Callable[..., Any]]:
@@ -202,14 +261,16 @@ class Collectives:
         return ops
 
 
-def _settle(entry: tuple[Any, Any, Any]) -> tuple[()]:
-    flag_work, flag, work = entry
-    work.wait()
-    flag_work.wait()
-    if int(flag.item()):
-        raise CollectiveError("an operand of this collective was poisoned on a peer of the mesh (it joined with "
-                              "zeros): the result is poisoned on every peer")
-    return ()
+class _Works:
+    """Several works settled as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
 
 
 class _Writes:
@@ -227,14 +288,17 @@ class _Writes:
                 raise CollectiveError("a collective needs one layout per operand")
             if any(A.layout_extent(lay, ITEMSIZE) > MAX_STAND_IN for lay in layouts):
                 raise CollectiveError(f"a poisoned operand over {MAX_STAND_IN} bytes cannot join with zeros")
-            bufs = tuple(torch.zeros(A.layout_extent(lay, ITEMSIZE), dtype=torch.uint8, device=self.owner.device)
-                         if b is None else b for b, lay in zip(bufs, layouts))
+            sizes = [A.layout_extent(lay, ITEMSIZE) if b is None else 0 for b, lay in zip(bufs, layouts)]
+            bufs = tuple(torch.zeros(n, dtype=torch.uint8, device=self.owner.device) if b is None else b
+                         for b, n in zip(bufs, sizes))
             self.owner.poisoned = True
+            self.owner.stand_in = sum(sizes)
         try:
             return self.fn(*bufs, **k)
         finally:
             if self.owner is not None:
                 self.owner.poisoned = False
+                self.owner.stand_in = 0
 
     @staticmethod
     def written(kwargs: Any) -> list[int]:
@@ -249,7 +313,8 @@ def enable(tables: list[dict[str, Any]], backends: list[Any], dist_host: str,
     allowed = frozenset(allow) if allow else None
     for table, b in zip(tables, backends):
         if b.kind == "torch":
-            table[SESSION_OPS] = lambda device, h=dist_host: Collectives(device, h, allowed).table()  # type: ignore[misc]
+            table[SESSION_OPS] = lambda device, mem=None, h=dist_host: (  # type: ignore[misc]
+                Collectives(device, h, allowed, mem).table())
 
 
 __all__ = ["Collectives", "CollectiveError", "enable"]

@@ -107,7 +107,7 @@ class Interpreter(GraphReplay, Holdings):
         self.backend = backend
         if backend.kind == "torch":  # ATen ops of ember.torch: a per-session table (own random stream)
             from .aten import AtenOps
-            table = AtenOps(table, backend.device, int(limits.get("max_tensor", 1 << 40)))
+            table = AtenOps(table, backend.device, int(limits.get("max_tensor", 1 << 40)), memory)
         self.table = table
         self.custom_ops = custom_ops
         self.respond = respond

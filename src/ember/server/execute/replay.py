@@ -280,16 +280,21 @@ class GraphReplay:
         fn, regs, oregs, kw, name, tregs, err = g.steps[i]
         mem = self.mem
         try:
+            joins = False
             if st.bad:
                 for r in tregs:
                     v = R[r]
                     if type(v) is Poison or type(v) is Missing:
-                        raise KeyError(v.tid if type(v) is Missing else name)
+                        if not getattr(fn, "joins_poisoned", False):
+                            raise KeyError(v.tid if type(v) is Missing else name)
+                        joins = True  # a collective joins its peers with zeros (collectives.py)
             if fn is None:
                 raise KeyError(name)
             if err is not None:
                 raise err
             args = [R[r] for r in regs]
+            if joins:
+                args = [None if type(a) is Poison or type(a) is Missing else a for a in args]
             reserved = self._reserve(name, args, kw) if name in PREDICTED else \
                 self._reserve_unpredicted(name, args, kw)  # type: ignore[attr-defined]
             try:

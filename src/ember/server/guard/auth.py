@@ -59,6 +59,23 @@ def allowlist_authorizer(peer_ids: Iterable[str]) -> Authorizer:
     return check
 
 
+def identity_authorizer(*peer_ids: str) -> Authorizer:
+    """Accept only iroh clients whose authenticated peer id is one of ``peer_ids``; refuse every
+    client without one (WebSocket, TCP): a leased peer (``ember.pool``) admits its leaseholder only."""
+    allowed = {peer_id(p) for p in peer_ids}
+    if not allowed:
+        raise EmberError("identity_authorizer needs at least one peer id")
+
+    def check(peer_id: str | None, device: int, credential: bytes) -> bool | str:
+        if peer_id is None:
+            return "this peer admits only its leaseholder's iroh identity: connect over iroh"
+        if peer_id.lower() in allowed:
+            return True
+        return f"peer {peer_id[:16]}… is not this peer's leaseholder"
+
+    return check
+
+
 def all_of(*authorizers: Authorizer | None) -> Authorizer | None:
     """An authorizer that accepts only what every given one accepts (the first refusal's reason wins)."""
     chain = [a for a in authorizers if a is not None]
@@ -107,5 +124,6 @@ def read_peer_list(path: str) -> list[str]:
     return [i for i in ids if i]
 
 
-__all__ = ["Authorizer", "peer_id", "token_authorizer", "allowlist_authorizer", "all_of", "read_secret_file",
+__all__ = ["Authorizer", "peer_id", "token_authorizer", "allowlist_authorizer", "identity_authorizer",
+           "all_of", "read_secret_file",
            "read_peer_list"]
