@@ -204,21 +204,26 @@ async def _pump(server: SessionHost, session: Session) -> None:
             server.telemetry.error(session.label, type(e).__name__, type(e).__name__, None, e.message, False)
             return
         if not batch:
+            session.handled += 1
             continue
         first = batch[0]
         if len(batch) == 1 and first[0] == m.PING:
             session.post(codec.packb([[first[1] if len(first) > 1 else 0, m.OK, None]]))
+            session.handled += 1
             continue
         if len(batch) == 1 and first[0] == m.STATS:  # answered at once, even while the worker is busy
             resp = server.figures.answer(session, first)
             if resp is not None:
                 session.post(codec.packb([resp]))
+            session.handled += 1
             continue
         if first[0] == m.EXPOSE:  # sent alone: downloads may wait for the worker to reach it
             for msg in batch:
                 if msg[0] == m.EXPOSE and len(msg) == 6:
                     server.transfers.announce(msg[2], msg[5])
-        if session.submit(batch, len(frame)) and not session.sending:
+        inline = session.submit(batch, len(frame))
+        session.handled += 1  # (run, or counted in session.queued: Session.direct may go once both settle)
+        if inline and not session.sending:
             await _send_now(session)
         if batch[-1][0] == m.CLOSE:
             session.end = ["client_closed", "closed by the client"]

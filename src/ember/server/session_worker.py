@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import EmberError, ProtocolError, to_wire
 from ..protocol import codec
 from ..protocol import messages as m
-from ..transport.base import FrameConnection
+from ..transport.base import FrameConnection, frame_bytes
 from .execute.interpreter import Interpreter, Placed
 from .guard.memory import give_back_freed
 from .host import SessionHost
@@ -60,6 +60,13 @@ class Session:
         self.queued = 0  # batches handed to the worker (written by the loop)
         self.done = 0    # batches the worker finished (written by the worker)
         self.queued_bytes = 0  # their estimated decoded size (written by the loop)
+        # frames of the stream the pump has finished with (run inline, queued, or answered), the
+        # Hello included: ``direct`` compares it with the frames the client sent
+        self.handled = 1
+        # one batch runs at a time, whoever runs it (worker, loop inline, a caller's thread: ``direct``)
+        self._run_lock = threading.Lock()
+        self._direct_out: list[Any] | None = None  # a direct run's answers, collected for its caller
+        self._direct_thread = 0
         self.done_bytes = 0    # (written by the worker)
         # answers waiting for the network: bytes in (from the worker, from the loop) and out, each
         # written by one thread only, so counting costs no lock; the worker waits on _cond past the window
@@ -93,6 +100,8 @@ class Session:
         set_sink = getattr(conn, "set_data_sink", None)
         if self.data and set_sink is not None:
             set_sink(self.sink)
+        if hasattr(conn, "direct_handler"):  # a link whose client may run batches here itself (memory)
+            conn.direct_handler = self.direct
         self.interp.probe, self.interp.label = server.telemetry, self.label
         handlers = list(self.interp.handlers)
         handlers[m.STATS] = self.stats  # (the pump answers a lone STATS itself)
@@ -122,7 +131,16 @@ class Session:
                 frame = (StripedRead(req, dt, shape, data), n)
             else:
                 frame = (codec.read_frames(req, dt, shape, data, self.server.limits["chunk"]), n)
-        if threading.get_ident() == self._loop_thread:
+        me = threading.get_ident()
+        if self._direct_out is not None and me == self._direct_thread:  # a direct run: back to its caller
+            if data is None:
+                self._direct_out.append(frame)
+            elif type(frame[0]) is StripedRead:
+                raise ProtocolError("a direct run cannot stripe a read")  # (no lanes: never)
+            else:
+                self._direct_out.extend(frame_bytes(parts) for parts in frame[0])
+            return
+        if me == self._loop_thread:
             self.post(frame, n)
             return
         self._in_worker += n
@@ -160,7 +178,8 @@ class Session:
     def _work(self) -> None:
         with np.errstate(all="ignore"):  # IEEE semantics: nan/inf results, no warnings
             self._work_loop()
-        self.interp.clear()
+        with self._run_lock:  # (a direct run may be under way on a caller's thread)
+            self.interp.clear()
         self.server.transfers.revoke(self.transfer_ops)
         self.mem.close()
         self.server.live.discard(self)
@@ -200,7 +219,8 @@ class Session:
                 break
             batch, received, cost = item
             try:
-                self._run(batch, received, False)
+                with self._run_lock:
+                    self._run(batch, received, False)
             finally:
                 mem.shared_release(cost)
                 self.done_bytes += cost
@@ -226,9 +246,12 @@ class Session:
     def submit(self, batch: list[list[Any]], frame_bytes: int = 0) -> bool:
         """On the loop: run a tiny, cheap batch inline when the worker is idle (True), else queue it."""
         received = time.perf_counter() if self.interp.probe.active else 0.0
-        if self.inline and self.queued == self.done and self.interp.cheap(batch):
-            with np.errstate(all="ignore"):
-                self._run(batch, received, True)
+        if self.inline and self.queued == self.done and self.interp.cheap(batch) and self._run_lock.acquire(False):
+            try:
+                with np.errstate(all="ignore"):
+                    self._run(batch, received, True)
+            finally:
+                self._run_lock.release()
             return True
         cost = frame_bytes if batch[0][0] == m.UPLOAD else frame_bytes * DECODED_FACTOR
         self.mem.shared_charge(cost)
@@ -236,6 +259,45 @@ class Session:
         self.queued += 1
         self.inbox.put((batch, received, cost))
         return False
+
+    def direct(self, frame: bytes, sent: int) -> list[bytes] | None:
+        """Run ``frame``'s batch on the calling thread, now, and return its answers (frames); None
+        when it cannot, and the frame must take the ordinary way (the link, the pump).
+
+        The embedded peer's memory link calls this from the client's thread
+        (``MemoryConnection.direct``): user thread -> interpreter -> user thread, with no loop and
+        no worker in between. Only while the session is idle: every frame the client sent before
+        (``sent``) handled by the pump, none waiting for or running on the worker, no other run
+        under way (the run lock), and only batches the loop itself would run inline
+        (``Interpreter.cheap``: bounded, nothing that waits for the loop)."""
+        if not self.alive or self.lanes is not None or not self.inline or self.handled != sent \
+                or self.queued != self.done or not self._run_lock.acquire(False):
+            return None
+        try:
+            if self.handled != sent or self.queued != self.done or not self.alive:
+                return None
+            limits = self.limits
+            try:
+                batch = codec.decode_batch(frame, self.server.limits["max_frame"] + 4096, limits.max_messages)
+            except ProtocolError:
+                return None  # the pump says why, and ends the session
+            if not batch or batch[0][0] in (m.PING, m.STATS, m.EXPOSE, m.CLOSE) or not self.interp.cheap(batch):
+                return None
+            received = time.perf_counter() if self.interp.probe.active else 0.0
+            self.bytes_in += len(frame)
+            self.batches += 1
+            out = self._direct_out = []
+            self._direct_thread = threading.get_ident()
+            try:
+                with np.errstate(all="ignore"):
+                    self._run(batch, received, True)
+            finally:
+                self._direct_out = None
+            for f in out:
+                self.bytes_out += len(f)
+            return out
+        finally:
+            self._run_lock.release()
 
     def inflight(self) -> int:
         """Estimated bytes of decoded batches waiting for the worker (read on the loop)."""

@@ -13,7 +13,9 @@ view of an array) leaves with one ``sendmsg``, and a data frame's payload is rea
 Small frames are parsed out of a 256 KiB staging buffer, so a burst of small frames costs
 one system call. Sends hold no reference to the caller's buffers once they return:
 ``sendmsg`` either hands bytes to the kernel or waits for room. Over TLS the ``ssl``
-module copies anyway; there the connection runs on asyncio streams.
+module copies anyway; there the connection runs on asyncio streams. A client's plain
+connection also lends itself to blocking round trips on the caller's thread while nothing
+else is in flight (``transport.tcp_exchange``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..errors import ConnectError, LimitExceeded
 from ..protocol import codec
 from ..protocol import messages as pm
 from .base import PRE_AUTH_FRAME, DataSink, Frame, SessionHandler, bind_error, frame_parts
+from .tcp_exchange import CalmLink
 
 log = logging.getLogger("ember.transport.tcp")
 
@@ -143,6 +146,9 @@ class TcpConnection:
     """A FrameConnection over one TCP (or TLS) connection."""
 
     peer_id: str | None = None
+    #: A client's plain-TCP connection lends itself to round trips on a caller's thread while calm
+    #: (``transport.tcp_exchange``); None on servers and over TLS.
+    calm: CalmLink | None = None
 
     def __init__(self, io: Any, remote: str, *, max_frame: int, expect_preamble: bool = False) -> None:
         self.remote = remote
@@ -230,6 +236,8 @@ class TcpConnection:
                     raise ConnectionError(f"{self.remote} speaks Ember TCP framing version {got[3]}, "
                                           f"this peer speaks version {VERSION}")
             while True:
+                if self.calm is not None and self._start == self._end:
+                    await self.calm.idle()  # (parked while a caller's thread has the link)
                 if not await self._fill(4):
                     await self._put(_EOF)
                     return
@@ -339,6 +347,8 @@ class TcpConnection:
         if self._closed:
             return
         self._closed = True
+        if self.calm is not None:
+            self.calm.unpark()  # the reader meets the end
         while not self._q.empty():  # unblock a reader waiting for room
             self._q.get_nowait()
         try:
@@ -469,6 +479,9 @@ async def dial(address: str, *, timeout: float, max_frame: int, ssl: _ssl.SSLCon
         else:
             io = await asyncio.wait_for(_connect(host, port), timeout)
             await io.write([PREAMBLE])
+            conn = TcpConnection(io, address, max_frame=max_frame)
+            conn.calm = CalmLink(conn, io.sock, _DIRECT)
+            return conn
     except asyncio.TimeoutError:
         raise ConnectError(f"no answer from {address} within {timeout:g} s",
                            hint="is the peer up and reachable? start one with `ember serve --tcp HOST:PORT`") from None
