@@ -37,6 +37,7 @@ class Exchanging:
         #: TCP: the connection's ``CalmLink`` (``transport.tcp_exchange``)
         self._calm = getattr(conn, "calm", None)
         self._exchanges = (self._direct is not None or self._calm is not None) and not s.lanes_wanted
+        s.stats["exchanges"] = 0  # round trips answered on the caller's thread
 
     def _exchange(self, msg: list[Any], req: int, timeout: float) -> None:
         """Send the request ``msg`` (its waiter registered under ``req``) after everything pending,
@@ -73,11 +74,13 @@ class Exchanging:
                     return
         try:
             if calm is None:
+                s.stats["exchanges"] += 1
                 for f in answers:
                     s._on_frame(f)
             else:
                 waiters = s._waiters
-                calm.finish(s._on_frame, lambda: req not in waiters, timeout)
+                if calm.finish(s._on_frame, lambda: req not in waiters, timeout):
+                    s.stats["exchanges"] += 1
         except BaseException as e:  # noqa: BLE001 - as the receiver: the session ends with its reason
             s._frame_failed(e)
 
