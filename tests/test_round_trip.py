@@ -254,6 +254,24 @@ def test_a_peer_dying_mid_exchange_gives_session_lost_in_time(monkeypatch):
         p.wait(10)
 
 
+@pytest.mark.timeout(60)
+def test_an_idle_calm_session_hears_its_peer_die():
+    p, addr = start_serve("--tcp", "127.0.0.1:0", "--device", "cpu", pattern=r"listening on (tcp://\S+)")
+    try:
+        d = ember.connect(addr)
+        s = d.session
+        x = xp.asarray(np.ones(2), device=d)
+        for _ in range(5):
+            assert (x + 1.0).to_numpy().tolist() == [2.0, 2.0]
+        assert s.stats["exchanges"] > 0 and s.conn.calm.parked  # nothing awaited: the loop reads nothing
+        p.kill()
+        assert wait_until(lambda: s.lost is not None, timeout=5.0), "the loss went unnoticed"
+        assert isinstance(s.lost, SessionLost)
+    finally:
+        p.kill()
+        p.wait(10)
+
+
 def _raises(fn) -> BaseException | None:
     try:
         fn()

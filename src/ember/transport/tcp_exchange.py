@@ -16,6 +16,11 @@ frame on the socket itself and reads the answer itself:
   buffers), or when the loop asked for its reader meanwhile (a request on the ordinary path, a
   heartbeat): whatever it staged stays staged, and the read task goes on from there.
 
+While parked, the loop still hears the peer hang up: the socket sits in an epoll set of its own,
+watched for ``EPOLLRDHUP``/``EPOLLHUP`` only (the loop watches that set's descriptor), so an
+answer does not wake the loop but a peer that closes or dies does, and the session learns of it at
+once (Linux; elsewhere at its next round trip or heartbeat).
+
 Errors: a closed or broken socket raises ``ConnectionError`` (the session ends with
 ``SessionLost``); a write that cannot finish within its deadline breaks the connection.
 """
@@ -54,6 +59,14 @@ class CalmLink:
         self._fut: asyncio.Future | None = None
         self._reading = False   # a reader is registered for ``_fut``
         self.exchanges = self.handbacks = 0
+        self._hup: Any = None  # an epoll set holding the socket for hang-ups only (see the docstring)
+        self._hup_watched = False
+        try:
+            ep = select.epoll()
+            ep.register(self.fd, select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR)
+            self._hup = ep
+        except (AttributeError, OSError):  # not Linux
+            pass
 
     # ---- the loop's side ------------------------------------------------------------------
     async def idle(self) -> None:
@@ -88,8 +101,29 @@ class CalmLink:
                 if self._reading:
                     self.loop.remove_reader(self.fd)
                     self._reading = False
+                if self._hup is not None and not self._hup_watched:
+                    self.loop.add_reader(self._hup.fileno(), self._hung_up)
+                    self._hup_watched = True
         finally:
             self.gate.release()
+
+    def _hung_up(self) -> None:
+        """On the loop, while parked: the peer closed or broke the connection; read what is left."""
+        self._unwatch_hup()
+        self.unpark()
+
+    def _unwatch_hup(self) -> None:
+        if self._hup_watched:
+            self._hup_watched = False
+            self.loop.remove_reader(self._hup.fileno())
+
+    def close(self) -> None:
+        """On the loop, when the connection closes: read to the end, let go of the hang-up watch."""
+        self.unpark()
+        self._unwatch_hup()
+        if self._hup is not None:
+            self._hup.close()
+            self._hup = None
 
     def unpark(self) -> None:
         """On the loop: read again (an answer is awaited the ordinary way, or the link closes).
@@ -102,6 +136,7 @@ class CalmLink:
             if not self.parked:
                 return
             self.parked = False
+            self._unwatch_hup()
             fut = self._fut
             if fut is not None and not fut.done() and not self._reading:
                 c = self.conn
