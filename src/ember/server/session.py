@@ -223,6 +223,9 @@ async def _pump(server: SessionHost, session: Session) -> None:
                     server.transfers.announce(msg[2], msg[5])
         inline = session.submit(batch, len(frame))
         session.handled += 1  # (run, or counted in session.queued: Session.direct may go once both settle)
+        now, session.now = session.now, None
+        if now:  # its one answer, sent from here: no wake-up of the sender task for it
+            await _send_marked(session, now[0])
         if inline and not session.sending:
             await _send_now(session)
         if batch[-1][0] == m.CLOSE:

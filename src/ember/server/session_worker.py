@@ -66,6 +66,7 @@ class Session:
         # one batch runs at a time, whoever runs it (worker, loop inline, a caller's thread: ``direct``)
         self._run_lock = threading.Lock()
         self._direct_out: list[Any] | None = None  # a direct run's answers, collected for its caller
+        self.now: list[Any] | None = None  # during an inline run on the loop: its answer, for the pump
         self._direct_thread = 0
         self.done_bytes = 0    # (written by the worker)
         # answers waiting for the network: bytes in (from the worker, from the loop) and out, each
@@ -166,6 +167,14 @@ class Session:
         """On the loop: queue a frame (or a ``(data-frame stream, bytes)`` pair) for the sender,
         counted until it has left."""
         self._in_loop += len(frame) if n is None else n
+        now = self.now
+        if now is not None and not now and not self.sending and self.outbox.empty():
+            now.append(frame)  # an inline run's one answer: the pump sends it, the sender task sleeps on
+            return
+        if now:  # a second answer: all of them the ordinary way, in order
+            for f in now:
+                self.outbox.put_nowait(f)
+            now.clear()
         self.outbox.put_nowait(frame)
 
     def sent(self, n: int) -> None:
@@ -247,6 +256,7 @@ class Session:
         """On the loop: run a tiny, cheap batch inline when the worker is idle (True), else queue it."""
         received = time.perf_counter() if self.interp.probe.active else 0.0
         if self.inline and self.queued == self.done and self.interp.cheap(batch) and self._run_lock.acquire(False):
+            self.now = []
             try:
                 with np.errstate(all="ignore"):
                     self._run(batch, received, True)
