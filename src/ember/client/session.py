@@ -39,6 +39,7 @@ from ..protocol import codec
 from ..protocol import messages as m
 from ..transport.base import FrameConnection
 from .bulk import BulkData, ReadTimeout, Upload, Waiter, size_text
+from .exchange import Exchanging
 from .fanout import FanOut
 from .grouping import GroupHolding
 from .lanes import LaneData, StripedUpload
@@ -49,7 +50,7 @@ _sessions: "weakref.WeakSet[ClientSession]" = weakref.WeakSet()
 _OP = m.OP
 
 
-class ClientSession(BulkData, LaneData, GroupHolding, FanOut):
+class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
     """One session with one device of one peer."""
 
     def __init__(self, conn: FrameConnection, welcome: dict[str, Any], loop: asyncio.AbstractEventLoop, *,
@@ -113,6 +114,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut):
         self._wake = asyncio.Event()
         self._send_nowait = getattr(conn, "send_nowait", None)  # a link that sends at once (in-memory)
         self._parked = False  # the sender waits for frames (everything before them has been sent)
+        self._init_exchange(conn)  # (client/exchange.py)
         self._last_recv = self._pinged = time.monotonic()
         self._tasks = [loop.create_task(self._receiver()), loop.create_task(self._sender()),
                        loop.create_task(self._heartbeat())]
@@ -169,10 +171,12 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut):
         with self._lock:
             self._flush_locked()
 
-    def _flush_locked(self, boundary: bool = True, drops_too: bool = True, fan: bool = True) -> None:
+    def _flush_locked(self, boundary: bool = True, drops_too: bool = True, fan: bool = True,
+                      take: bool = False) -> bytes | None:
         """Encode and queue the pending batch. ``boundary``: also end the current op group; ``drops_too``:
         False while a long group goes out in batches (a release must follow every op recorded before it);
-        ``fan``: queue it on the followers too (a mesh, :meth:`fanout`)."""
+        ``fan``: queue it on the followers too (a mesh, :meth:`fanout`); ``take``: return the batch's frame
+        instead of queueing it, when it is one frame (``client/exchange.py`` sends it itself)."""
         if boundary:
             g = self._grp
             if g is None or g:
@@ -187,15 +191,16 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut):
             if self._grp:  # capturing: the group's analysis needs to know what was released
                 self._grp_drops.extend(ids)
         if not p:
-            return
+            return None
         self._pending = []
         if self._own:  # a mesh's leader: its own messages (its shard's upload) go to it alone
             self._split(p, fan)
-        else:
-            self._queue(p, fan)
+            return None
+        return self._queue(p, fan, take)
 
-    def _queue(self, p: list[list[Any]], fan: bool) -> None:
-        """Encode a batch and queue its frames (and on the followers, ``fan``)."""
+    def _queue(self, p: list[list[Any]], fan: bool, take: bool = False) -> bytes | None:
+        """Encode a batch and queue its frames (and on the followers, ``fan``); ``take``: see
+        :meth:`_flush_locked`."""
         try:
             frames = None if self._poisoned else [codec.packb(p)]
         except Exception:  # a message the protocol cannot carry: never the whole batch (client/batch.py)
@@ -214,13 +219,16 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut):
         for frame in frames:
             self.stats["batches"] += 1
             self.stats["bytes_sent"] += len(frame)
-            self._frames.append(frame)
+        if take and len(frames) == 1 and not (fan and self._fan):
+            return frames[0]
+        self._frames.extend(frames)
         if frames:
             if fan and self._fan:
                 self._fan_out(frames)
                 self.loop.call_soon_threadsafe(self._kick_all)
             else:
                 self.loop.call_soon_threadsafe(self._kick)
+        return None
 
     def send_alone(self, msg: list[Any]) -> None:
         """Send ``msg`` as a batch of its own, after everything recorded so far."""
@@ -241,15 +249,18 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut):
         req = next(self._reqs)
         w = Waiter()
         self._waiters[req] = w
-        with self._lock:
-            g = self._grp
-            if g is None or g:
-                self._end_group()
-            if self._fan:  # the ops before go to every peer of the mesh; the request to this one only
-                self._flush_locked(False)
-            self._pending.append([kind, req, *fields])
-            self._flush_locked(False, fan=False)
         t = self.read_timeout if timeout is None else timeout
+        if progress is None and self._exchanges and not self._fan:  # on this thread, when the link is calm
+            self._exchange([kind, req, *fields], req, t)  # (client/exchange.py)
+        else:
+            with self._lock:
+                g = self._grp
+                if g is None or g:
+                    self._end_group()
+                if self._fan:  # the ops before go to every peer of the mesh; the request to this one only
+                    self._flush_locked(False)
+                self._pending.append([kind, req, *fields])
+                self._flush_locked(False, fan=False)
         if progress is not None:
             try:
                 self._wait(w, nbytes, progress, f"download {size_text(nbytes)}", t)
@@ -342,6 +353,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut):
                     if type(frame) is StripedUpload:
                         await self._send_striped(frame)
                         continue
+                    self._reader_wanted()
                     await conn.send(frame)
                     if len(frame) >= 1 << 20:
                         # a big send completing is a sign of life: a long upload gets no answers, but
@@ -371,52 +383,66 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut):
             await asyncio.wait([receiver], timeout=1.0)
 
     async def _receiver(self) -> None:
-        conn, waiters = self.conn, self._waiters
+        conn = self.conn
         try:
             while True:
                 frame = await conn.recv()
                 if frame is None:
                     raise SessionLost(f"peer {self.address} closed the session")
-                self._last_recv = time.monotonic()
-                self.stats["bytes_received"] += len(frame)
-                if self.data and codec.is_data(frame):
-                    self._data_frame(frame)
-                    continue
-                for req, status, payload in codec.decode_responses(frame, self.max_frame + 4096):
-                    if req == 0:
-                        if status == m.ERROR:
-                            raise from_wire(payload)
-                        if status == m.NEED_GRAPH:
-                            self._resend_graph(payload)
-                            continue
-                    w = waiters.get(req)
-                    if w is None:
-                        continue  # a heartbeat answer, or a request that timed out
-                    if status == m.CHUNK:
-                        off, data, total = payload
-                        if w.buf is None:
-                            w.buf = bytearray(total)
-                        w.buf[off:off + len(data)] = data
-                        w.done += len(data)
-                        continue
-                    del waiters[req]
-                    if status == m.OK:
-                        if w.buf is not None:
-                            off, data = payload[2], payload[3]
-                            w.buf[off:off + len(data)] = data
-                            payload[3] = w.buf
-                        w.value = payload
-                    else:
-                        w.error = from_wire(payload)
-                    w.set()
+                self._on_frame(frame)
+                self._reader_idle()
         except asyncio.CancelledError:
             pass
-        except EmberError as e:
+        except BaseException as e:  # noqa: BLE001 - every failure ends the session, with its reason
+            self._frame_failed(e)
+
+    def _on_frame(self, frame: Any) -> None:
+        """One frame from the peer: complete the requests it answers (the receiver, or an exchange's
+        thread). Raises what ends the session (see ``_frame_failed``)."""
+        waiters = self._waiters
+        self._last_recv = time.monotonic()
+        self.stats["bytes_received"] += len(frame)
+        if self.data and codec.is_data(frame):
+            self._data_frame(frame)
+            return
+        for req, status, payload in codec.decode_responses(frame, self.max_frame + 4096):
+            if req == 0:
+                if status == m.ERROR:
+                    raise from_wire(payload)
+                if status == m.NEED_GRAPH:
+                    self._resend_graph(payload)
+                    continue
+            w = waiters.get(req)
+            if w is None:
+                continue  # a heartbeat answer, or a request that timed out
+            if status == m.CHUNK:
+                off, data, total = payload
+                if w.buf is None:
+                    w.buf = bytearray(total)
+                w.buf[off:off + len(data)] = data
+                w.done += len(data)
+                continue
+            waiters.pop(req, None)
+            if status == m.OK:
+                if w.buf is not None:
+                    off, data = payload[2], payload[3]
+                    w.buf[off:off + len(data)] = data
+                    payload[3] = w.buf
+                w.value = payload
+            else:
+                w.error = from_wire(payload)
+            w.set()
+
+    def _frame_failed(self, e: BaseException) -> None:
+        """What reading or handling a frame raised, as the session's end (typed)."""
+        if isinstance(e, EmberError):
             self._fail_all(e if isinstance(e, (SessionLost, ProtocolError)) else SessionLost(e.message))
-        except (ValueError, TypeError, IndexError) as e:  # a malformed data frame head
+        elif isinstance(e, (ValueError, TypeError, IndexError)):  # a malformed data frame head
             self._fail_all(ProtocolError(f"malformed frame from {self.address}: {e}"))
-        except (ConnectionError, OSError) as e:
+        elif isinstance(e, (ConnectionError, OSError)):
             self._fail_all(SessionLost(f"connection to {self.address} lost: {e}"))
+        else:
+            raise e
 
     def _resend_graph(self, gid: Any) -> None:
         """The peer's cache lost a graph a REPLAY named; it holds the session until it has it again."""
@@ -428,7 +454,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut):
             self.stats["graph_resends"] += 1
             self.stats["bytes_sent"] += len(frame)
             self._frames.append(frame)
-        self._wake.set()
+        self.loop.call_soon_threadsafe(self._wake.set)  # (from the receiver, or an exchange's thread)
 
     async def _heartbeat(self) -> None:
         try:

@@ -14,6 +14,7 @@ from .._version import __version__
 from ..errors import AuthorizationError, EmberError
 from ..protocol import messages as m
 from ..transport.base import FrameConnection, Listener
+from ..transport.loop import run_loop
 from .execute.backends import Backend, make_backend
 from .execute.interpreter import build_table
 from .guard.auth import Authorizer, allowlist_authorizer, all_of, token_authorizer
@@ -335,7 +336,8 @@ class Server:
 
     def run(self, ready: Callable[[list[str]], None] | None = None,
             listening: Callable[[list[str]], None] | None = None) -> None:
-        """Serve until SIGINT or SIGTERM, then close sessions and return (``listening``: see :meth:`start`)."""
+        """Serve until SIGINT or SIGTERM, then close sessions and return (``listening``: see :meth:`start`).
+        On uvloop when it is installed (``pip install 'ember[fast]'``; ``EMBER_UVLOOP=0`` keeps asyncio's loop)."""
         async def main() -> None:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -344,7 +346,7 @@ class Server:
                 except (NotImplementedError, RuntimeError):
                     pass
             await self.serve(ready, listening)
-        asyncio.run(main())
+        run_loop(main())
 
     def start_in_thread(self, timeout: float = 30.0) -> list[str]:
         """Serve on a background thread (tests, notebooks); return the addresses once listening."""
@@ -353,7 +355,7 @@ class Server:
 
         def target() -> None:
             try:
-                asyncio.run(self.serve(lambda _a: ready.set()))
+                run_loop(self.serve(lambda _a: ready.set()))
             except BaseException as e:
                 errors.append(e)
                 ready.set()

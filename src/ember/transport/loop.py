@@ -34,6 +34,15 @@ def install_uvloop() -> bool:
     return True
 
 
+def run_loop(coro: Any) -> Any:
+    """``asyncio.run(coro)`` on a new loop of :func:`new_event_loop` (uvloop's when available)."""
+    runner = getattr(asyncio, "Runner", None)
+    if runner is None:  # Python 3.10: asyncio's own loop
+        return asyncio.run(coro)
+    with runner(loop_factory=new_event_loop) as r:
+        return r.run(coro)
+
+
 def loop_name(loop: asyncio.AbstractEventLoop | None = None) -> str:
     loop = loop or asyncio.get_event_loop()
     return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"

@@ -13,7 +13,9 @@ view of an array) leaves with one ``sendmsg``, and a data frame's payload is rea
 Small frames are parsed out of a 256 KiB staging buffer, so a burst of small frames costs
 one system call. Sends hold no reference to the caller's buffers once they return:
 ``sendmsg`` either hands bytes to the kernel or waits for room. Over TLS the ``ssl``
-module copies anyway; there the connection runs on asyncio streams.
+module copies anyway; there the connection runs on asyncio streams. A client's plain
+connection also lends itself to blocking round trips on the caller's thread while nothing
+else is in flight (``transport.tcp_exchange``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..errors import ConnectError, LimitExceeded
 from ..protocol import codec
 from ..protocol import messages as pm
 from .base import PRE_AUTH_FRAME, DataSink, Frame, SessionHandler, bind_error, frame_parts
+from .tcp_exchange import CalmLink
 
 log = logging.getLogger("ember.transport.tcp")
 
@@ -63,17 +66,68 @@ def _wake(fut: asyncio.Future) -> None:
 
 
 class _SocketIO:
-    """Plain TCP: ``recv_into`` and ``sendmsg`` on a non-blocking socket."""
+    """Plain TCP: ``recv_into`` and ``sendmsg`` on a non-blocking socket.
 
-    def __init__(self, sock: socket.socket) -> None:
+    ``watch`` (a server's connections): the socket stays registered with the loop between reads
+    and the loop's callback reads into the waiting view, and a read that drained the socket does
+    not try again before waiting: a request costs one ``recv`` and no ``epoll_ctl`` (asyncio's
+    ``sock_recv_into`` costs two failed reads and two ``epoll_ctl`` calls per wait)."""
+
+    def __init__(self, sock: socket.socket, watch: bool = False) -> None:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
+        self.watch = watch
+        self._want: tuple[memoryview, asyncio.Future] | None = None
+        self._watching = False
+        self._drained = False  # the last read took less than it could: the socket is empty
 
     async def recv_into(self, view: memoryview) -> int:
+        if not self.watch:
+            try:
+                return self.sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                return await self.loop.sock_recv_into(self.sock, view)
+        if not self._drained:
+            try:
+                n = self.sock.recv_into(view)
+                self._drained = n < len(view)
+                return n
+            except (BlockingIOError, InterruptedError):
+                pass
+        fut = self.loop.create_future()
+        self._want = (view, fut)
+        if not self._watching:
+            self.loop.add_reader(self.sock.fileno(), self._readable)
+            self._watching = True
         try:
-            return self.sock.recv_into(view)
+            n = await fut
+        finally:
+            self._want = None
+        self._drained = n < len(view)
+        return n
+
+    def _readable(self) -> None:
+        want = self._want
+        if want is None or want[1].done():  # nobody reads now: stop watching until someone does
+            self._unwatch()
+            return
+        view, fut = want
+        try:
+            n = self.sock.recv_into(view)
         except (BlockingIOError, InterruptedError):
-            return await self.loop.sock_recv_into(self.sock, view)
+            return
+        except OSError as e:
+            self._want = None
+            fut.set_exception(e)
+            return
+        self._want = None
+        fut.set_result(n)
+
+    def _unwatch(self) -> None:
+        if self._watching:
+            self._watching = False
+            with suppress(Exception):
+                self.loop.remove_reader(self.sock.fileno())
 
     async def write(self, parts: list[Any]) -> None:
         sock = self.sock
@@ -109,6 +163,7 @@ class _SocketIO:
             self.sock.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
+        self._unwatch()
         with suppress(OSError):
             self.sock.close()
 
@@ -143,6 +198,9 @@ class TcpConnection:
     """A FrameConnection over one TCP (or TLS) connection."""
 
     peer_id: str | None = None
+    #: A client's plain-TCP connection lends itself to round trips on a caller's thread while calm
+    #: (``transport.tcp_exchange``); None on servers and over TLS.
+    calm: CalmLink | None = None
 
     def __init__(self, io: Any, remote: str, *, max_frame: int, expect_preamble: bool = False) -> None:
         self.remote = remote
@@ -230,6 +288,8 @@ class TcpConnection:
                     raise ConnectionError(f"{self.remote} speaks Ember TCP framing version {got[3]}, "
                                           f"this peer speaks version {VERSION}")
             while True:
+                if self.calm is not None and self._start == self._end:
+                    await self.calm.idle()  # (parked while a caller's thread has the link)
                 if not await self._fill(4):
                     await self._put(_EOF)
                     return
@@ -339,6 +399,8 @@ class TcpConnection:
         if self._closed:
             return
         self._closed = True
+        if self.calm is not None:
+            self.calm.close()  # the reader meets the end
         while not self._q.empty():  # unblock a reader waiting for room
             self._q.get_nowait()
         try:
@@ -406,7 +468,7 @@ class TcpListener:
                 await asyncio.sleep(0.1)
                 continue
             _tune(sock)
-            conn = TcpConnection(_SocketIO(sock), f"{addr[0]}:{addr[1]}", max_frame=self.max_frame,
+            conn = TcpConnection(_SocketIO(sock, watch=True), f"{addr[0]}:{addr[1]}", max_frame=self.max_frame,
                                  expect_preamble=True)
             self._spawn(conn)
 
@@ -469,6 +531,9 @@ async def dial(address: str, *, timeout: float, max_frame: int, ssl: _ssl.SSLCon
         else:
             io = await asyncio.wait_for(_connect(host, port), timeout)
             await io.write([PREAMBLE])
+            conn = TcpConnection(io, address, max_frame=max_frame)
+            conn.calm = CalmLink(conn, io.sock, _DIRECT)
+            return conn
     except asyncio.TimeoutError:
         raise ConnectError(f"no answer from {address} within {timeout:g} s",
                            hint="is the peer up and reachable? start one with `ember serve --tcp HOST:PORT`") from None

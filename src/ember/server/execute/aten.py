@@ -179,11 +179,11 @@ class AtenKernel:
         res = self.run(args, kwargs)
         dynamic = o is None  # data-dependent: the outputs (a written one cloned) are taken before zeroing
         stored = self._results(res, o, tensors) if dynamic else None
-        for (t, nbytes), b, lay in zip(before, self._written_bufs(a, bufs), self._written_bufs(a, l)):
-            if not dynamic and not self.resize:
-                self._keep_layout(t, b, lay)
-            self._zero_growth(t, nbytes)
-        if before:
+        if before:  # (the written operands' storages and layouts: only asked for when there are some)
+            for (t, nbytes), b, lay in zip(before, self._written_bufs(a, bufs), self._written_bufs(a, l)):
+                if not dynamic and not self.resize:
+                    self._keep_layout(t, b, lay)
+                self._zero_growth(t, nbytes)
             self.respan(bufs)
         return stored if dynamic else self._results(res, o, tensors)
 

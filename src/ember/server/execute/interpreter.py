@@ -98,6 +98,12 @@ def _unbounded() -> SessionMemory:
     return DeviceMemory(None, "unbounded").session(None, "interpreter")
 
 
+#: NumPy dtype -> its name (``dtype.name`` costs microseconds on every read).
+_DTYPE_NAMES: dict[Any, str] = {np.dtype(n): n for n in (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
+    "float64", "complex64", "complex128")}
+
+
 class Interpreter(GraphReplay, Holdings):
     """State and execution of one session (runs on the session's worker thread)."""
 
@@ -511,7 +517,8 @@ class Interpreter(GraphReplay, Holdings):
                 return
         try:
             host = self.backend.to_host(v)
-            dt, shape = host.dtype.name, list(host.shape)
+            hd = host.dtype
+            dt, shape = _DTYPE_NAMES.get(hd) or hd.name, list(host.shape)  # (dtype.name is slow)
             flat = memoryview(host.reshape(-1).view(np.uint8))
             total, chunk = len(flat), self.limits["chunk"]
             if self.data_frames and total > m.INLINE_DATA:  # data frames: views of the array, no copies

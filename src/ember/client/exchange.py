@@ -1,0 +1,98 @@
+"""One round trip on the caller's own thread, when the link is calm (a mixin of ``ClientSession``).
+
+A blocking request (a read, a sync, a shape) normally crosses three threads on the client: the
+user's thread queues the frame, the I/O loop sends it and later reads the answer, and wakes the
+user's thread again. Each hop costs a thread switch and a fight for the GIL, several times the
+wire's own round trip on loopback. When nothing else is in flight, the caller does the round
+trip itself:
+
+* **embedded peer** (``transport.memory``): the frame is handed to the peer's ``Session.direct``,
+  which runs it on this very thread and returns the answers (no loop, no worker: the peer runs
+  it only while its session is idle, else the frame takes the ordinary way);
+* **TCP** (``transport.tcp_exchange``): while the loop's reader of the connection is parked
+  (nothing is awaited on it), this thread writes the frame on the socket and reads the answer
+  itself; frames that are not its answer (another thread's, a keepalive) are handled as the
+  receiver would. A slow answer, a large frame or anything else the loop should see hands the
+  connection back to the loop, and the caller waits as usual.
+
+Either way the request has a ``Waiter`` registered before anything is sent, so a hand-back, a
+loss or a timeout ends exactly as on the ordinary path: the caller's wait is the ordinary wait.
+The frame is only taken this way while the sender is idle and holds nothing: so it leaves after
+everything recorded before it, as it would have.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+
+class Exchanging:
+    """The caller-thread round trip of ``ClientSession`` (see the module's docstring)."""
+
+    def _init_exchange(self, conn: Any) -> None:
+        s: Any = self
+        #: memory link: ``direct(frame) -> answers | None``
+        self._direct = getattr(conn, "direct", None)
+        #: TCP: the connection's ``CalmLink`` (``transport.tcp_exchange``)
+        self._calm = getattr(conn, "calm", None)
+        self._exchanges = (self._direct is not None or self._calm is not None) and not s.lanes_wanted
+        s.stats["exchanges"] = 0  # round trips answered on the caller's thread
+
+    def _exchange(self, msg: list[Any], req: int, timeout: float) -> None:
+        """Send the request ``msg`` (its waiter registered under ``req``) after everything pending,
+        and answer it on this thread when the link allows; else queue it the ordinary way. The
+        caller then waits on its waiter as usual (set already when answered here)."""
+        s: Any = self
+        calm = self._calm
+        with s._lock:
+            g = s._grp
+            if g is None or g:
+                s._end_group()
+            s._pending.append(msg)
+            idle = not s._frames and s._parked and s.lost is None
+            if calm is not None:
+                idle = idle and calm.begin()  # the gate: the loop's reader is parked
+            frame = s._flush_locked(False, take=idle)
+            if frame is None:
+                if idle and calm is not None:
+                    calm.release()
+                return  # queued the ordinary way
+            if calm is None:
+                # under the lock: nothing recorded after it can reach the peer before it runs
+                answers = self._direct(frame)
+                if answers is None:
+                    s._frames.append(frame)
+                    s.loop.call_soon_threadsafe(s._kick)
+                    return
+            else:
+                try:
+                    calm.write(frame)  # in order: the sender is idle and we hold its lock
+                except BaseException as e:  # noqa: BLE001 - broken: the session ends, typed
+                    calm.release()
+                    s._frame_failed(e)
+                    return
+        try:
+            if calm is None:
+                s.stats["exchanges"] += 1
+                for f in answers:
+                    s._on_frame(f)
+            else:
+                waiters = s._waiters
+                if calm.finish(s._on_frame, lambda: req not in waiters, timeout):
+                    s.stats["exchanges"] += 1
+        except BaseException as e:  # noqa: BLE001 - as the receiver: the session ends with its reason
+            s._frame_failed(e)
+
+    def _reader_wanted(self) -> None:
+        """On the loop, before the sender sends: an answer will be awaited the ordinary way (or a
+        heartbeat's), so the loop's reader must read."""
+        s: Any = self
+        if self._calm is not None and (s._waiters or s._pinged > s._last_recv):
+            self._calm.unpark()
+
+    def _reader_idle(self) -> None:
+        """On the loop, after the receiver handled a frame: park the reader when nothing is awaited."""
+        s: Any = self
+        if self._calm is not None and not s._waiters and s._pinged <= s._last_recv:
+            self._calm.park()

@@ -1,0 +1,250 @@
+"""The calm-link exchange of a client's TCP connection: one round trip on the caller's thread.
+
+A ``TcpConnection``'s frames are read by a task on the I/O loop. For a blocking round trip
+(``client/exchange.py``) the hops user thread -> loop -> user thread cost several times the
+wire's own round trip on loopback, so while the link is *calm* the caller writes its request
+frame on the socket itself and reads the answer itself:
+
+* the loop's reader is **parked** (``park``, on the loop, when nothing awaits an answer): the
+  read task sits at a frame boundary with nothing staged and no reader registered on the
+  socket, so the loop is not woken by the answer and never races the caller for its bytes;
+* a caller takes the **gate** (a lock, never waited for) only while the reader is parked, idle
+  and nothing is queued; it reads frames into the connection's own staging buffer with a
+  deadline on every wait, hands each frame to ``on_frame`` and stops once ``done()``;
+* it hands the connection **back to the loop** (``unpark``) when the answer is slow
+  (``PATIENCE``), when a frame is large (data frames of a bulk read, read by the loop into their
+  buffers), or when the loop asked for its reader meanwhile (a request on the ordinary path, a
+  heartbeat): whatever it staged stays staged, and the read task goes on from there.
+
+While parked, the loop still hears the peer hang up: the socket sits in an epoll set of its own,
+watched for ``EPOLLRDHUP``/``EPOLLHUP`` only (the loop watches that set's descriptor), so an
+answer does not wake the loop but a peer that closes or dies does, and the session learns of it at
+once (Linux; elsewhere at its next round trip or heartbeat).
+
+Errors: a closed or broken socket raises ``ConnectionError`` (the session ends with
+``SessionLost``); a write that cannot finish within its deadline breaks the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+#: How long a caller waits for its answer on its own before it hands the connection to the loop.
+PATIENCE = 0.05
+#: The longest a caller's write may take (a calm socket takes a small frame at once).
+WRITE_TIMEOUT = 5.0
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class CalmLink:
+    """Parks a client connection's reader when the link is calm and lends it to a caller's thread."""
+
+    def __init__(self, conn: Any, sock: socket.socket, small: int) -> None:
+        self.conn, self.sock, self.fd = conn, sock, sock.fileno()
+        self.small = small  # frames from this size are the loop's (read into their own buffers)
+        self.loop = asyncio.get_running_loop()
+        self.gate = threading.Lock()
+        self.parked = False
+        self.unpark_wanted = False
+        self.idle_now = False   # the read task waits in ``idle`` (a frame boundary, nothing staged)
+        self._fut: asyncio.Future | None = None
+        self._reading = False   # a reader is registered for ``_fut``
+        self.exchanges = self.handbacks = 0
+        self._hup: Any = None  # an epoll set holding the socket for hang-ups only (see the docstring)
+        self._hup_watched = False
+        try:
+            ep = select.epoll()
+            ep.register(self.fd, select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR)
+            self._hup = ep
+        except (AttributeError, OSError):  # not Linux
+            pass
+
+    # ---- the loop's side ------------------------------------------------------------------
+    async def idle(self) -> None:
+        """On the read task, at a frame boundary with nothing staged: return once the socket is
+        readable and the reader is not parked."""
+        self.idle_now = True
+        try:
+            while True:
+                fut = self._fut = self.loop.create_future()
+                if not self.parked:
+                    self.loop.add_reader(self.fd, _wake, fut)
+                    self._reading = True
+                try:
+                    await fut
+                finally:
+                    if self._reading:
+                        self.loop.remove_reader(self.fd)
+                        self._reading = False
+                    self._fut = None
+                if not self.parked:
+                    return
+        finally:
+            self.idle_now = False
+
+    def park(self) -> None:
+        """On the loop: nothing awaits an answer; stop reading until a caller or ``unpark``."""
+        if self.parked or not self.gate.acquire(False):
+            return  # (a held gate means parked already)
+        try:
+            if not self.unpark_wanted:
+                self.parked = True
+                if self._reading:
+                    self.loop.remove_reader(self.fd)
+                    self._reading = False
+                if self._hup is not None and not self._hup_watched:
+                    self.loop.add_reader(self._hup.fileno(), self._hung_up)
+                    self._hup_watched = True
+        finally:
+            self.gate.release()
+
+    def _hung_up(self) -> None:
+        """On the loop, while parked: the peer closed or broke the connection; read what is left."""
+        self._unwatch_hup()
+        self.unpark()
+
+    def _unwatch_hup(self) -> None:
+        if self._hup_watched:
+            self._hup_watched = False
+            self.loop.remove_reader(self._hup.fileno())
+
+    def close(self) -> None:
+        """On the loop, when the connection closes: read to the end, let go of the hang-up watch."""
+        self.unpark()
+        self._unwatch_hup()
+        if self._hup is not None:
+            self._hup.close()
+            self._hup = None
+
+    def unpark(self) -> None:
+        """On the loop: read again (an answer is awaited the ordinary way, or the link closes).
+        While a caller holds the gate, it hands back when done."""
+        self.unpark_wanted = True
+        if not self.gate.acquire(False):
+            return
+        try:
+            self.unpark_wanted = False
+            if not self.parked:
+                return
+            self.parked = False
+            self._unwatch_hup()
+            fut = self._fut
+            if fut is not None and not fut.done() and not self._reading:
+                c = self.conn
+                if c._start != c._end:  # a caller left bytes staged: go on from there
+                    fut.set_result(None)
+                else:
+                    self.loop.add_reader(self.fd, _wake, fut)
+                    self._reading = True
+        finally:
+            self.gate.release()
+
+    # ---- the caller's side (any thread but the loop's) ---------------------------------------
+    def begin(self) -> bool:
+        """Take the connection for one exchange: True when calm (then ``write`` and ``finish``)."""
+        if not self.parked or self.unpark_wanted or not self.gate.acquire(False):
+            return False
+        c = self.conn
+        if self.parked and self.idle_now and not self.unpark_wanted and c._start == c._end \
+                and c._q.empty() and not c._closed and not c._broken and not c._lock.locked():
+            return True
+        self.gate.release()
+        return False
+
+    def write(self, frame: bytes) -> None:
+        """Write one frame (length prefix + ``frame``) on the socket; raises ``ConnectionError``."""
+        c = self.conn
+        data = memoryview(len(frame).to_bytes(4, "big") + frame)
+        if len(frame) > c.max_frame:
+            from ..errors import LimitExceeded
+            raise LimitExceeded(f"frame of {len(frame)} bytes exceeds the limit of {c.max_frame} bytes")
+        deadline = time.monotonic() + WRITE_TIMEOUT
+        try:
+            while data:
+                try:
+                    sent = self.sock.send(data)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                data = data[sent:]
+                if data and not self._poll(select.POLLOUT, deadline):
+                    raise OSError(f"could not write to {c.remote} within {WRITE_TIMEOUT:g} s")
+        except OSError as e:
+            c._broken = f"connection to {c.remote} broke: {e}"
+            raise ConnectionError(c._broken) from None
+
+    def finish(self, on_frame: Callable[[bytes], None], done: Callable[[], bool], timeout: float) -> bool:
+        """Read frames for ``on_frame`` until ``done()`` (True), or hand the connection back to the
+        loop (False: the caller waits the ordinary way). Always gives the gate back. Raises
+        ``ConnectionError`` when the link breaks or ends, and what ``on_frame`` raises."""
+        c = self.conn
+        deadline = time.monotonic() + min(timeout, PATIENCE)
+        back = True
+        try:
+            while not done():
+                n = c._end - c._start
+                if n >= 4:
+                    size = int.from_bytes(c._view[c._start:c._start + 4], "big")
+                    if size >= self.small or size > c.max_frame:
+                        return False  # the loop's: a large frame, or one it refuses
+                    if n >= 4 + size:
+                        c._start += 4
+                        frame = bytes(c._take(size))
+                        on_frame(frame)
+                        continue
+                    need = 4 + size
+                else:
+                    need = 4
+                if self.unpark_wanted or not self._poll(select.POLLIN, deadline):
+                    return False  # wanted elsewhere, or slow: the loop waits for it
+                if len(c._stage) - c._start < need:  # compact (as TcpConnection._fill)
+                    k = c._end - c._start
+                    c._view[:k] = c._view[c._start:c._end]
+                    c._start, c._end = 0, k
+                try:
+                    r = self.sock.recv_into(c._view[c._end:])
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError as e:
+                    raise ConnectionError(f"connection to {c.remote} lost: {e}") from None
+                if not r:
+                    raise ConnectionError(f"{c.remote} closed the connection")
+                c._end += r
+            back = False
+            return True
+        finally:
+            self.exchanges += 1
+            if back:
+                self.handbacks += 1
+                self.unpark_wanted = True
+            self.gate.release()
+            if self.unpark_wanted:
+                try:
+                    self.loop.call_soon_threadsafe(self.unpark)
+                except RuntimeError:  # the loop is gone
+                    pass
+
+    def release(self) -> None:
+        """Give the gate back without reading (the write failed, or there was nothing to send)."""
+        self.unpark_wanted = True
+        self.gate.release()
+        try:
+            self.loop.call_soon_threadsafe(self.unpark)
+        except RuntimeError:
+            pass
+
+    def _poll(self, event: int, deadline: float) -> bool:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        p = select.poll()
+        p.register(self.fd, event)
+        return bool(p.poll(left * 1000))
