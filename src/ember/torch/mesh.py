@@ -115,6 +115,16 @@ class MeshSession:
     def flush(self) -> None:
         self.leader.flush()
 
+    def graph_entry(self, c: Any) -> Any:
+        """A whole captured graph (torch.compile, ember.torch.capture): the leader's registration, whose
+        GRAPH and REPLAY frames are fanned out to every peer like any batch."""
+        return self.leader.graph_entry(c)
+
+    def replay_graph(self, *args: Any) -> None:
+        self._check()
+        with self._lock:
+            self.leader.replay_graph(*args)
+
     def send_alone(self, msg: list[Any]) -> None:
         self._check()
         with self._lock:
