@@ -1,10 +1,11 @@
 """Peer CPU per replayed ATen op, sans I/O: a torch:cpu interpreter replays a chain of small ``aten.add.Tensor``.
 
-    python bench/bench_peer_replay.py [--ops 200] [--replays 300]
+    python bench/bench_peer_replay.py [--ops 200] [--replays 300] [--no-compile]
 
 Prints thread CPU µs per replayed op with the graph lowered into a program (server/execute/program.py)
 and without (the generic kernel per call), next to the kernel alone, measured in the same run (best of
-5 rounds); and whether both replays gave the same bytes.
+5 rounds); and whether both replays gave the same bytes. Then the same chain compiled by the peer
+(server/execute/compiled.py, inductor) once the background compile is ready.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from ember.server.execute.backends import make_backend
 from ember.server.execute.interpreter import Interpreter, build_table
 
 
-def replay_cost(program: bool, n: int, replays: int) -> tuple[float, Any]:
-    """µs of thread CPU per replayed op, and the chain's result storage."""
+def replay_cost(program: bool, n: int, replays: int, compiler: Any = None) -> tuple[float, Any]:
+    """µs of thread CPU per replayed op, and the chain's result storage (``compiler``: replayed through
+    the peer's compiled prefix once it is ready)."""
     b = make_backend("torch:cpu")
     it = Interpreter(b, build_table(b), {}, lambda out: None,
                      {"max_frame": 1 << 26, "chunk": 1 << 24, "max_tensor": 1 << 40, "graph_cache": 4})
@@ -32,9 +34,13 @@ def replay_cost(program: bool, n: int, replays: int) -> tuple[float, Any]:
     it.run_batch([[m.GRAPH, 1, 2, [[1]], body, [2 + n], []]])
     if not program:
         it.graphs.peek(1).program = False  # the generic replay: each step through its kernel's checks
+    it.compiler = compiler
     msg = [m.REPLAY, 1, [1, 2], [10], []]
     for _ in range(10):
         it.replay(msg, [])
+    if compiler is not None:
+        c = it.graphs.peek(1).program.comp
+        assert c and c.done.wait(600) and c.state == "ready", getattr(c, "reason", c)
     best = float("inf")
     for _ in range(5):
         t = time.thread_time_ns()
@@ -55,6 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", type=int, default=200)
     ap.add_argument("--replays", type=int, default=300)
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled replay (inductor)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     x, y, op = torch.zeros(16), torch.ones(16), torch.ops.aten.add.Tensor
@@ -64,8 +71,16 @@ def main() -> None:
     prog, r1 = replay_cost(True, a.ops, a.replays)
     print(f"per replayed aten.add.Tensor (16 floats), thread CPU: kernel alone {kernel:.2f} µs (its C++ handle "
           f"{handle:.2f} µs), generic "
-          f"{generic:.2f} µs, program {prog:.2f} µs ({generic / prog:.2f}x; overhead beyond the kernel "
-          f"{prog - kernel:.2f} µs); same bytes: {torch.equal(r0, r1)}")
+          f"{generic:.2f} µs, program {prog:.2f} µs ({generic / prog:.2f}x; overhead beyond the kernel's handle "
+          f"{prog - handle:.2f} µs); same bytes: {torch.equal(r0, r1)}")
+    if not a.no_compile:
+        from ember.server.execute.compiled import Compiler
+        comp = Compiler()
+        compiled, r2 = replay_cost(True, a.ops, a.replays, comp)
+        st = comp.stats()
+        print(f"compiled (inductor, {a.ops} steps fused): {compiled:.2f} µs per replayed op "
+              f"({prog / compiled:.1f}x the program); compile {st['compile_seconds']:.1f} s in the background, "
+              f"{st['replays']} compiled replays; same values: {torch.allclose(r0.view(torch.float32), r2.view(torch.float32))}")
 
 
 if __name__ == "__main__":
