@@ -123,8 +123,13 @@ def test_training_replays_through_the_compiled_path_of_a_peer_started_with_compi
     try:
         with ember.connect(addr, compile=True) as d:
             assert d.session.compiled
-            ready = lambda: srv.compiler.stats()["ready"] > 0 and srv.compiler.stats()["replays"] >= 20  # noqa: E731
-            remote = mlp_steps("ember", 30, ready)
+
+            def ready() -> bool:  # waits for a compile once one was asked for (the readiness signal)
+                for c in list(srv.compiler.cache.values()):
+                    assert c.done.wait(300), "the compile did not finish"
+                return srv.compiler.stats()["replays"] >= 20
+
+            remote = mlp_steps("ember", 5, ready)
         stats = srv.compiler.stats()
     finally:
         srv.close()
