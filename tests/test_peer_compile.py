@@ -158,3 +158,28 @@ def test_compiled_graphs_are_refused_by_a_peer_started_without_the_option() -> N
             assert not d.session.compiled
     finally:
         srv.close()
+
+
+@pytest.mark.timeout(400)
+def test_compiled_outputs_never_share_memory_with_each_other_or_an_input() -> None:
+    """Inductor may return one buffer for two equal results (CSE) or an input itself: each kept output
+    still gets storage of its own, as the eager steps give it."""
+    x = lay([4, 4], [4, 1])
+    one = out([4, 4], [4, 1])
+    body = [["aten.relu.default", [1, 0], 1, {"a": [0], "l": [x], "o": one}],
+            ["aten.relu.default", [1, 0], 1, {"a": [0], "l": [x], "o": one}],
+            ["aten.mul.Tensor", [1, 2, 3], 1, {"a": [0, 0], "l": [x, x], "o": one}]]
+    compiler = Compiler()
+    it = interpreter(compiler)
+    it.put(1, as_storage(torch.arange(-8.0, 8.0)), "upload")
+    it.run_batch([[m.GRAPH, 2, 1, [[]], body, [2, 3, 4], []]] + [[m.REPLAY, 2, [1], [10, 11, 12], []]] * 2)
+    c = it.graphs.peek(2).program.comp
+    assert c and c.done.wait(300) and c.state == READY, getattr(c, "reason", c)
+    it.run_batch([[m.REPLAY, 2, [1], [20, 21, 22], []]])
+    assert c.hits == 1
+    ptrs = {it.tensors[i].untyped_storage().data_ptr() for i in (1, 20, 21, 22)}
+    assert len(ptrs) == 4
+    r = torch.relu(torch.arange(-8.0, 8.0))
+    assert [it.tensors[i].view(torch.float32).tolist() for i in (20, 21, 22)] == [r.tolist(), r.tolist(), (r * r).tolist()]
+    it.tensors[20].view(torch.float32).add_(1)  # (what a later in-place op on one of them does)
+    assert it.tensors[21].view(torch.float32).tolist() == r.tolist()

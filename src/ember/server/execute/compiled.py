@@ -49,13 +49,17 @@ class Compiled:
         except Exception:  # noqa: BLE001 - e.g. an index out of range: the eager steps say what is wrong
             return 0
         torch = prog.torch
+        seen = {t.untyped_storage().data_ptr() for t in args}  # an output sharing memory is copied
         for (tro, size, stride, off, dt, nb, d), r in zip(self.outs, outs):
+            st = r.untyped_storage()
+            ptr = st.data_ptr()
             if not (r.dtype is dt and r.shape == size and r.stride() == stride and r.storage_offset() == off
-                    and r.untyped_storage().nbytes() == nb):  # stored as the spec says, nothing more
+                    and st.nbytes() == nb and (ptr not in seen or not nb)):  # as the spec says, its own memory
                 buf = torch.zeros(nb, dtype=torch.uint8, device=r.device)
                 t = torch.empty((0,), dtype=dt, device=r.device).set_(buf.untyped_storage(), off, size, stride)
                 t.copy_(r)
                 r = t
+            seen.add(r.untyped_storage().data_ptr())
             V[tro] = r
             if d:
                 prog._derive(V, r, d)
