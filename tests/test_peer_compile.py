@@ -183,3 +183,40 @@ def test_compiled_outputs_never_share_memory_with_each_other_or_an_input() -> No
     assert [it.tensors[i].view(torch.float32).tolist() for i in (20, 21, 22)] == [r.tolist(), r.tolist(), (r * r).tolist()]
     it.tensors[20].view(torch.float32).add_(1)  # (what a later in-place op on one of them does)
     assert it.tensors[21].view(torch.float32).tolist() == r.tolist()
+
+
+@pytest.mark.timeout(600)
+def test_a_transformer_trained_through_the_compiled_path_equals_local_within_float_tolerance() -> None:
+    """TinyLM + SGD: its forward graph's prefix (embeddings, layer norm, attention without dropout, views
+    of results) compiled on the peer; losses and parameters as local CPU torch's, within rounding (SGD:
+    AdamW turns the rounding noise of a gradient that is 0 in exact arithmetic, the key bias's, into
+    steps of the learning rate's size)."""
+    import ember
+    import ember.torch  # noqa: F401
+    from ember.server import Server
+    from ember.torch import workloads as W
+
+    def train(device: str, steps: int) -> Any:
+        return W.train(W.TinyLM, device, steps=steps, lm=True, batch=W.lm_batch(), opt="SGD",
+                       opt_args={"lr": 0.05, "momentum": 0.9})
+
+    srv = Server(["torch:cpu"], compile=True)
+    srv.listen_tcp("127.0.0.1", 0)
+    addr = srv.start_in_thread()[0]
+    try:
+        with ember.connect(addr, compile=True):
+            train("ember", 10)  # the graphs registered and replayed, their compiles asked for
+        for c in list(srv.compiler.cache.values()):
+            assert c.done.wait(400), "the compile did not finish"
+        before = srv.compiler.stats()
+        with ember.connect(addr, compile=True):  # the same graphs again: compiled already
+            remote = train("ember", 16)
+        after = srv.compiler.stats()
+    finally:
+        srv.close()
+    assert before["compiled"] >= 1 and after["compiled"] == before["compiled"], (before, after)
+    assert after["replays"] - before["replays"] >= 5, (before, after)
+    local = train("cpu", 16)
+    torch.testing.assert_close(remote[0], local[0], rtol=1e-4, atol=1e-4)
+    for p, q in zip(remote[1], local[1]):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)

@@ -132,9 +132,11 @@ class Compiler:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def build(prog: Any, steps: list[Any], in_trs: list[int], in_lays: dict[int, Any], outs: list[int]) -> Any:
+def build(prog: Any, steps: list[Any], in_trs: list[int], in_lays: dict[int, Any], outs: list[int],
+          views: dict[int, tuple[int, Any, int]]) -> Any:
     """The FX graph of ``steps`` (fast steps of ``prog``): placeholders for ``in_trs``, the ATen overloads
-    with the templates' literals and scalars, an output per typed register of ``outs``."""
+    with the templates' literals and scalars, ``views`` (typed register -> (the contiguous result it views,
+    its layout, the result's numel)) as ``aten.view`` or ``aten.as_strided``, an output per typed register of ``outs``."""
     import torch
     graph = torch.fx.Graph()
     env: dict[int, Any] = {tr: graph.placeholder(f"in{j}") for j, tr in enumerate(in_trs)}
@@ -149,7 +151,18 @@ def build(prog: Any, steps: list[Any], in_trs: list[int], in_lays: dict[int, Any
             return [val(fs, q) for q in x]
         return x
 
+    aten = torch.ops.aten
     for fs in steps:
+        for tr in fs.trs:
+            if tr not in env and tr in views:
+                src, (size, stride, off, _), n = views[tr]
+                numel = 1
+                for d in size:
+                    numel *= d
+                if off == 0 and tuple(stride) == _contiguous(size) and numel == n:
+                    env[tr] = graph.call_function(aten.view.default, (env[src], list(size)))
+                else:
+                    env[tr] = graph.call_function(aten.as_strided.default, (env[src], list(size), list(stride), off))
         node = graph.call_function(fs.kernel.op, tuple(val(fs, p) for p in fs.plan),
                                    {n: val(fs, p) for n, p in fs.kwplan.items()})
         for idx, tro, _ in fs.touts:
@@ -163,6 +176,14 @@ def build(prog: Any, steps: list[Any], in_trs: list[int], in_lays: dict[int, Any
         examples.append(torch.empty((0,), dtype=prog.aten.DTYPES[dt], device=prog.device)
                         .set_(buf.untyped_storage(), off, size, stride))
     return gm, examples
+
+
+def _contiguous(size: Any) -> tuple[int, ...]:
+    out, n = [], 1
+    for d in reversed(list(size)):
+        out.append(n)
+        n *= max(d, 1)
+    return tuple(reversed(out))
 
 
 __all__ = ["Compiler", "Compiled", "build", "PENDING", "READY", "FAILED"]
