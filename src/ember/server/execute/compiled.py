@@ -133,13 +133,14 @@ class Compiler:
 
 
 def build(prog: Any, steps: list[Any], in_trs: list[int], in_lays: dict[int, Any], outs: list[int],
-          views: dict[int, tuple[int, Any, int]]) -> Any:
+          views: dict[int, tuple[int, Any, int, Any]]) -> Any:
     """The FX graph of ``steps`` (fast steps of ``prog``): placeholders for ``in_trs``, the ATen overloads
     with the templates' literals and scalars, ``views`` (typed register -> (the contiguous result it views,
-    its layout, the result's numel)) as ``aten.view`` or ``aten.as_strided``, an output per typed register of ``outs``."""
+    its layout, the result's numel, the order of its dims in memory)) as ``aten.view`` or ``aten.as_strided``
+    of the result (of a contiguous copy of it in its memory order, where that is not its logical order), an output per typed register of ``outs``."""
     import torch
     graph = torch.fx.Graph()
-    env: dict[int, Any] = {tr: graph.placeholder(f"in{j}") for j, tr in enumerate(in_trs)}
+    env: dict[Any, Any] = {tr: graph.placeholder(f"in{j}") for j, tr in enumerate(in_trs)}
 
     def val(fs: Any, p: tuple[str, Any]) -> Any:
         kind, x = p
@@ -155,14 +156,22 @@ def build(prog: Any, steps: list[Any], in_trs: list[int], in_lays: dict[int, Any
     for fs in steps:
         for tr in fs.trs:
             if tr not in env and tr in views:
-                src, (size, stride, off, _), n = views[tr]
+                src, (size, stride, off, _), n, order = views[tr]
+                base = env[src]
+                if list(order) != sorted(order):  # memory order: a fresh contiguous buffer of the same bytes
+                    key = ("dense", src)
+                    if key not in env:
+                        env[key] = graph.call_function(aten.clone.default, (
+                            graph.call_function(aten.permute.default, (base, list(order))),),
+                            {"memory_format": torch.contiguous_format})
+                    base = env[key]
                 numel = 1
                 for d in size:
                     numel *= d
                 if off == 0 and tuple(stride) == _contiguous(size) and numel == n:
-                    env[tr] = graph.call_function(aten.view.default, (env[src], list(size)))
+                    env[tr] = graph.call_function(aten.view.default, (base, list(size)))
                 else:
-                    env[tr] = graph.call_function(aten.as_strided.default, (env[src], list(size), list(stride), off))
+                    env[tr] = graph.call_function(aten.as_strided.default, (base, list(size), list(stride), off))
         node = graph.call_function(fs.kernel.op, tuple(val(fs, p) for p in fs.plan),
                                    {n: val(fs, p) for n, p in fs.kwplan.items()})
         for idx, tro, _ in fs.touts:

@@ -264,28 +264,30 @@ class Program:
         from .compiled import MIN_STEPS, build
         inputs = {tr: (lay, need) for lst in self.in_lays.values() for tr, lay, need in lst}
         derived = {tr: (self.prod[r], lay) for r, lst in self.derive.items() for tr, lay, _ in lst}
-        contiguous: set[int] = set()  # results in a contiguous layout (a view of them reads what eager reads)
+        dense: dict[int, Any] = {}  # results laid out densely from offset 0: the dims' order in memory
         produced: set[int] = set()
         in_trs: list[int] = []
-        views: dict[int, tuple[int, Any, int]] = {}
+        views: dict[int, tuple[int, Any, int, Any]] = {}
         numel: dict[int, int] = {}
         steps: list[FastStep] = []
         for fs in self.fast:
             if fs is None or not fs.trusted or fs.wtrs or fs.fc is None or not _draws_nothing(fs):
                 break
             new = [tr for tr in dict.fromkeys(fs.trs) if tr not in produced and tr not in in_trs and tr not in views]
-            if any(tr not in inputs and not (tr in derived and derived[tr][0] in contiguous
+            if any(tr not in inputs and not (tr in derived and derived[tr][0] in dense
                                              and self.aten.DTYPES[derived[tr][1][3]] is self._dtype_of(derived[tr][0]))
                    for tr in new):
                 break  # a view the compiled graph cannot make as eager does: it stops before it
             in_trs += [tr for tr in new if tr in inputs]
-            views.update((tr, (*derived[tr], numel[derived[tr][0]])) for tr in new if tr not in inputs)
+            views.update((tr, (*derived[tr], numel[derived[tr][0]], dense[derived[tr][0]])) for tr in new
+                         if tr not in inputs)
             steps.append(fs)
             for (_, size, stride, off, dt, _, _), tro, _ in fs.outs:
                 produced.add(tro)
                 numel[tro] = size.numel()
-                if off == 0 and stride == _contiguous(size):
-                    contiguous.add(tro)
+                order = _dense_order(size, stride) if off == 0 else None
+                if order is not None:
+                    dense[tro] = order
         p = len(steps)
         if p < MIN_STEPS:
             return None
@@ -484,6 +486,15 @@ def _contiguous(size: Any) -> tuple[int, ...]:
         out.append(n)
         n *= max(d, 1)
     return tuple(reversed(out))
+
+
+def _dense_order(size: Any, stride: Any) -> tuple[int, ...] | None:
+    """The permutation of dims that lays ``size``/``stride`` out contiguously (outermost first), or None
+    when the layout is not dense (gaps, overlaps, broadcast)."""
+    order = tuple(sorted(range(len(size)), key=lambda d: (-stride[d], d)))
+    if tuple(stride[d] for d in order) != _contiguous([size[d] for d in order]):
+        return None
+    return order
 
 
 def _draws_nothing(fs: FastStep) -> bool:
