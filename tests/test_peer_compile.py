@@ -220,3 +220,26 @@ def test_a_transformer_trained_through_the_compiled_path_equals_local_within_flo
     torch.testing.assert_close(remote[0], local[0], rtol=1e-4, atol=1e-4)
     for p, q in zip(remote[1], local[1]):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.timeout(120)
+def test_ember_serve_with_compile_grants_the_feature_and_without_refuses_it() -> None:
+    import subprocess
+    import warnings
+
+    import ember
+    from test_core_cli import ENV, address_of, spawn_serve
+    for flag in (["--compile"], []):
+        p = spawn_serve("--device", "torch:cpu", *flag, "--no-iroh", "--tcp", "127.0.0.1:0", env=ENV,
+                        stderr=subprocess.DEVNULL)
+        try:
+            addr = address_of(p, r"listening on (tcp://\S+)", timeout=60)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with ember.connect(addr, compile=True) as d:
+                    granted = d.session.compiled
+            assert granted == bool(flag)
+            assert any("not started with --compile" in str(w.message) for w in caught) == (not flag)
+        finally:
+            p.kill()
+            p.wait(10)
