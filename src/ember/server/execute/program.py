@@ -264,6 +264,7 @@ class Program:
         from .compiled import MIN_STEPS, build
         inputs = {tr: (lay, need) for lst in self.in_lays.values() for tr, lay, need in lst}
         derived = {tr: (self.prod[r], lay) for r, lst in self.derive.items() for tr, lay, _ in lst}
+        extent = {tr: need for lst in self.derive.values() for tr, _, need in lst}
         dense: dict[int, Any] = {}  # results laid out densely from offset 0: the dims' order in memory
         produced: set[int] = set()
         in_trs: list[int] = []
@@ -274,9 +275,7 @@ class Program:
             if fs is None or not fs.trusted or fs.wtrs or fs.fc is None or not _draws_nothing(fs):
                 break
             new = [tr for tr in dict.fromkeys(fs.trs) if tr not in produced and tr not in in_trs and tr not in views]
-            if any(tr not in inputs and not (tr in derived and derived[tr][0] in dense
-                                             and self.aten.DTYPES[derived[tr][1][3]] is self._dtype_of(derived[tr][0]))
-                   for tr in new):
+            if any(tr not in inputs and not self._viewable(tr, derived, dense, numel, extent) for tr in new):
                 break  # a view the compiled graph cannot make as eager does: it stops before it
             in_trs += [tr for tr in new if tr in inputs]
             views.update((tr, (*derived[tr], numel[derived[tr][0]], dense[derived[tr][0]])) for tr in new
@@ -299,6 +298,15 @@ class Program:
                     outs.append((tro, size, stride, off, dt, nb, self.derive.get(oreg)))
         gm, examples = build(self, steps, in_trs, inputs, [o[0] for o in outs], views)
         return p, in_trs, outs, {fs.sreg for fs in steps}, gm, examples
+
+    def _viewable(self, tr: int, derived: Any, dense: Any, numel: Any, extent: Any) -> bool:
+        """Can the compiled graph make typed register ``tr`` (a view of an earlier result) as eager does:
+        a dense result of the same dtype, the view inside its bytes (as_strided checks no bounds)."""
+        if tr not in derived:
+            return False
+        src, lay = derived[tr]
+        dt = self._dtype_of(src)
+        return src in dense and self.aten.DTYPES[lay[3]] is dt and extent[tr] <= numel[src] * dt.itemsize
 
     def _dtype_of(self, tro: int) -> Any:
         for fs in self.fast:
