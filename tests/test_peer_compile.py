@@ -243,3 +243,23 @@ def test_ember_serve_with_compile_grants_the_feature_and_without_refuses_it() ->
         finally:
             p.kill()
             p.wait(10)
+
+
+@pytest.mark.timeout(400)
+def test_an_index_out_of_range_inside_a_compiled_graph_gets_the_eager_poison() -> None:
+    """The compiled kernel checks its indices (inductor's bounds asserts); a replay it refuses runs
+    eagerly, so an out-of-range index is the embedding's own error, never a read outside the weight."""
+    w, idx, h = lay([10, 4], [4, 1]), [[3], [1], 0, "int64"], lay([3, 4], [4, 1])
+    body = [["aten.embedding.default", [2, 0, 1], 1, {"a": [0, 0, -1, False, False], "l": [w, idx],
+                                                        "o": out([3, 4], [4, 1])}],
+            ["aten.relu.default", [2, 3], 1, {"a": [0], "l": [h], "o": out([3, 4], [4, 1])}]]
+    it = interpreter(Compiler())
+    it.put(1, as_storage(torch.arange(40.0)), "upload")
+    it.put(2, torch.tensor([1, 2, 3]).view(torch.uint8).clone(), "upload")
+    it.put(3, torch.tensor([1, 2, 10 ** 6]).view(torch.uint8).clone(), "upload")
+    it.run_batch([[m.GRAPH, 1, 2, [[]], body, [4], []]] + [[m.REPLAY, 1, [1, 2], [10], []]] * 2)
+    c = it.graphs.peek(1).program.comp
+    assert c and c.done.wait(300) and c.state == READY, getattr(c, "reason", c)
+    it.run_batch([[m.REPLAY, 1, [1, 2], [11], []], [m.REPLAY, 1, [1, 3], [12], []]])
+    assert c.hits == 1 and it.tensors[11].view(torch.float32).tolist()[:4] == [4.0, 5.0, 6.0, 7.0]
+    assert 12 not in it.tensors and "IndexError: index out of range" in it.poison[12].error["message"]
