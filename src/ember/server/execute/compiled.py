@@ -111,8 +111,10 @@ class Compiler:
         import torch
         t = time.perf_counter()
         try:
+            from torch._inductor import config
             from torch._inductor.compile_fx import compile_fx
-            with torch.no_grad():
+            # indices are checked in the kernels (an out-of-range one raises: the replay runs eagerly)
+            with torch.no_grad(), config.patch({"assert_indirect_indexing": True}):
                 fn = compile_fx(gm, examples)
                 fn(*examples)  # the first call finishes loading the kernels
             c.fn, c.state = fn, READY
