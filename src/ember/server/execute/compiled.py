@@ -91,7 +91,7 @@ class Compiler:
             c = self.cache.get(key)
         if c is not None:
             return c
-        plan = prog.prefix(g)
+        plan = prefix(prog, g)
         if plan is None:
             return None
         p, in_trs, outs, sregs, gm, examples = plan
@@ -189,6 +189,68 @@ def build(prog: Any, steps: list[Any], in_trs: list[int], in_lays: dict[int, Any
     return gm, examples
 
 
+def prefix(prog: Any, g: Any) -> Any:
+    """What to compile of ``prog`` (a :class:`~.program.Program`): the longest prefix of trusted steps
+    that write nothing, draw nothing and read inputs' views, earlier results, or views of earlier dense
+    results, as
+    ``(steps, input typed registers, outputs, scalar registers, FX graph, example inputs)``; None
+    when it is shorter than ``compiled.MIN_STEPS``."""
+    inputs = {tr: (lay, need) for lst in prog.in_lays.values() for tr, lay, need in lst}
+    derived = {tr: (prog.prod[r], lay) for r, lst in prog.derive.items() for tr, lay, _ in lst}
+    extent = {tr: need for lst in prog.derive.values() for tr, _, need in lst}
+    dense: dict[int, Any] = {}  # results laid out densely from offset 0: the dims' order in memory
+    produced: set[int] = set()
+    in_trs: list[int] = []
+    views: dict[int, tuple[int, Any, int, Any]] = {}
+    numel: dict[int, int] = {}
+    steps: list[Any] = []
+    for fs in prog.fast:
+        if fs is None or not fs.trusted or fs.wtrs or fs.fc is None or not _draws_nothing(fs):
+            break
+        new = [tr for tr in dict.fromkeys(fs.trs) if tr not in produced and tr not in in_trs and tr not in views]
+        if any(tr not in inputs and not _viewable(prog, tr, derived, dense, numel, extent) for tr in new):
+            break  # a view the compiled graph cannot make as eager does: it stops before it
+        in_trs += [tr for tr in new if tr in inputs]
+        views.update((tr, (*derived[tr], numel[derived[tr][0]], dense[derived[tr][0]])) for tr in new
+                     if tr not in inputs)
+        steps.append(fs)
+        for (_, size, stride, off, dt, _, _), tro, _ in fs.outs:
+            produced.add(tro)
+            numel[tro] = size.numel()
+            order = _dense_order(size, stride) if off == 0 else None
+            if order is not None:
+                dense[tro] = order
+    p = len(steps)
+    if p < MIN_STEPS:
+        return None
+    needed = {r for s in g.steps[p:] for r in s[1]} | set(g.kept)
+    outs = []
+    for fs in steps:
+        for (_, size, stride, off, dt, nb, _), tro, oreg in fs.outs:
+            if oreg in needed:
+                outs.append((tro, size, stride, off, dt, nb, prog.derive.get(oreg)))
+    gm, examples = build(prog, steps, in_trs, inputs, [o[0] for o in outs], views)
+    return p, in_trs, outs, {fs.sreg for fs in steps}, gm, examples
+
+
+def _viewable(prog: Any, tr: int, derived: Any, dense: Any, numel: Any, extent: Any) -> bool:
+    """Can the compiled graph make typed register ``tr`` (a view of an earlier result) as eager does:
+    a dense result of the same dtype, the view inside its bytes (as_strided checks no bounds)."""
+    if tr not in derived:
+        return False
+    src, lay = derived[tr]
+    dt = _dtype_of(prog, src)
+    return src in dense and prog.aten.DTYPES[lay[3]] is dt and extent[tr] <= numel[src] * dt.itemsize
+
+def _dtype_of(prog: Any, tro: int) -> Any:
+    for fs in prog.fast:
+        if fs is not None:
+            for (_, _, _, _, dt, _, _), t, _ in fs.outs:
+                if t == tro:
+                    return dt
+    return None
+
+
 def _contiguous(size: Any) -> tuple[int, ...]:
     out, n = [], 1
     for d in reversed(list(size)):
@@ -197,4 +259,26 @@ def _contiguous(size: Any) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-__all__ = ["Compiler", "Compiled", "build", "PENDING", "READY", "FAILED"]
+def _dense_order(size: Any, stride: Any) -> tuple[int, ...] | None:
+    """The permutation of dims that lays ``size``/``stride`` out contiguously (outermost first), or None
+    when the layout is not dense (gaps, overlaps, broadcast)."""
+    order = tuple(sorted(range(len(size)), key=lambda d: (-stride[d], d)))
+    if tuple(stride[d] for d in order) != _contiguous([size[d] for d in order]):
+        return None
+    return order
+
+
+def _draws_nothing(fs: Any) -> bool:
+    """A step that takes no random stream: not a random op, or attention with ``dropout_p`` 0."""
+    if fs.kernel.draw is None:
+        return True
+    names = [a.name for a in fs.kernel.op._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    j = names.index("dropout_p")
+    p = fs.plan[j] if j < len(fs.plan) else fs.kwplan.get("dropout_p", ("c", 0.0))
+    v = p[1] if p[0] == "c" else fs.baked[p[1]] if p[0] == "s" and fs.baked is not None else None
+    return type(v) in (int, float) and v == 0
+
+
+__all__ = ["Compiler", "Compiled", "build", "prefix", "PENDING", "READY", "FAILED"]

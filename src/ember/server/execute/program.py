@@ -256,66 +256,6 @@ class Program:
         for r in g.kept:
             mat(R, V, r)
 
-    def prefix(self, g: Any) -> Any:
-        """What to compile (compiled.py): the longest prefix of trusted steps that write nothing, draw
-        nothing and read inputs' views, earlier results, or views of earlier contiguous results, as
-        ``(steps, input typed registers, outputs, scalar registers, FX graph, example inputs)``; None
-        when it is shorter than ``compiled.MIN_STEPS``."""
-        from .compiled import MIN_STEPS, build
-        inputs = {tr: (lay, need) for lst in self.in_lays.values() for tr, lay, need in lst}
-        derived = {tr: (self.prod[r], lay) for r, lst in self.derive.items() for tr, lay, _ in lst}
-        extent = {tr: need for lst in self.derive.values() for tr, _, need in lst}
-        dense: dict[int, Any] = {}  # results laid out densely from offset 0: the dims' order in memory
-        produced: set[int] = set()
-        in_trs: list[int] = []
-        views: dict[int, tuple[int, Any, int, Any]] = {}
-        numel: dict[int, int] = {}
-        steps: list[FastStep] = []
-        for fs in self.fast:
-            if fs is None or not fs.trusted or fs.wtrs or fs.fc is None or not _draws_nothing(fs):
-                break
-            new = [tr for tr in dict.fromkeys(fs.trs) if tr not in produced and tr not in in_trs and tr not in views]
-            if any(tr not in inputs and not self._viewable(tr, derived, dense, numel, extent) for tr in new):
-                break  # a view the compiled graph cannot make as eager does: it stops before it
-            in_trs += [tr for tr in new if tr in inputs]
-            views.update((tr, (*derived[tr], numel[derived[tr][0]], dense[derived[tr][0]])) for tr in new
-                         if tr not in inputs)
-            steps.append(fs)
-            for (_, size, stride, off, dt, _, _), tro, _ in fs.outs:
-                produced.add(tro)
-                numel[tro] = size.numel()
-                order = _dense_order(size, stride) if off == 0 else None
-                if order is not None:
-                    dense[tro] = order
-        p = len(steps)
-        if p < MIN_STEPS:
-            return None
-        needed = {r for s in g.steps[p:] for r in s[1]} | set(g.kept)
-        outs = []
-        for fs in steps:
-            for (_, size, stride, off, dt, nb, _), tro, oreg in fs.outs:
-                if oreg in needed:
-                    outs.append((tro, size, stride, off, dt, nb, self.derive.get(oreg)))
-        gm, examples = build(self, steps, in_trs, inputs, [o[0] for o in outs], views)
-        return p, in_trs, outs, {fs.sreg for fs in steps}, gm, examples
-
-    def _viewable(self, tr: int, derived: Any, dense: Any, numel: Any, extent: Any) -> bool:
-        """Can the compiled graph make typed register ``tr`` (a view of an earlier result) as eager does:
-        a dense result of the same dtype, the view inside its bytes (as_strided checks no bounds)."""
-        if tr not in derived:
-            return False
-        src, lay = derived[tr]
-        dt = self._dtype_of(src)
-        return src in dense and self.aten.DTYPES[lay[3]] is dt and extent[tr] <= numel[src] * dt.itemsize
-
-    def _dtype_of(self, tro: int) -> Any:
-        for fs in self.fast:
-            if fs is not None:
-                for (_, _, _, _, dt, _, _), t, _ in fs.outs:
-                    if t == tro:
-                        return dt
-        return None
-
     def _mat(self, R: list[Any], V: list[Any], r: int) -> Any:
         """Register ``r``'s storage value (made from its typed register if only that exists)."""
         v = R[r]
@@ -486,36 +426,6 @@ class Program:
 
 def _key(lay: Any) -> tuple[Any, ...]:
     return (tuple(lay[0]), tuple(lay[1]), lay[2], lay[3])
-
-
-def _contiguous(size: Any) -> tuple[int, ...]:
-    out, n = [], 1
-    for d in reversed(list(size)):
-        out.append(n)
-        n *= max(d, 1)
-    return tuple(reversed(out))
-
-
-def _dense_order(size: Any, stride: Any) -> tuple[int, ...] | None:
-    """The permutation of dims that lays ``size``/``stride`` out contiguously (outermost first), or None
-    when the layout is not dense (gaps, overlaps, broadcast)."""
-    order = tuple(sorted(range(len(size)), key=lambda d: (-stride[d], d)))
-    if tuple(stride[d] for d in order) != _contiguous([size[d] for d in order]):
-        return None
-    return order
-
-
-def _draws_nothing(fs: FastStep) -> bool:
-    """A step that takes no random stream: not a random op, or attention with ``dropout_p`` 0."""
-    if fs.kernel.draw is None:
-        return True
-    names = [a.name for a in fs.kernel.op._schema.arguments]
-    if "dropout_p" not in names:
-        return False
-    j = names.index("dropout_p")
-    p = fs.plan[j] if j < len(fs.plan) else fs.kwplan.get("dropout_p", ("c", 0.0))
-    v = p[1] if p[0] == "c" else fs.baked[p[1]] if p[0] == "s" and fs.baked is not None else None
-    return type(v) in (int, float) and v == 0
 
 
 def _list(key: Any) -> list[Any]:
