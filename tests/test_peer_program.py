@@ -141,3 +141,44 @@ def test_a_replay_over_the_budget_is_refused_step_by_step_as_before() -> None:
     assert 10 not in it.tensors and it.poison[10].error["kind"] == "LimitExceeded"
     it.run_batch([[m.GRAPH, 2, 2, [[1]], body[:1], [3], []], [m.REPLAY, 2, [1, 2], [11], []]])
     assert it.tensors[11][:4 * n].view(torch.float32).tolist() == [1.0] * n
+
+
+def test_large_intermediates_are_written_into_buffers_kept_across_replays() -> None:
+    """A 64 MiB result that never leaves the replay goes into a buffer the program keeps (charged while
+    kept): same values as the generic replay, and no page faults for it per replay."""
+    import resource
+    import threading
+
+    n = 1 << 24
+    lay = [[n], [1], 0, "float32"]
+    add = {"a": [0, 0, 1], "l": [lay, lay], "o": [[0, [n], [1], 0, "float32", 4 * n]]}
+    body = [["aten.add.Tensor", [2, 0 if i == 0 else 2 + i, 1], 1, add] for i in range(3)]
+    got: dict[bool, Any] = {}
+
+    def work(program: bool) -> None:
+        it = interpreter(limit=1 << 32)
+        it.put(1, torch.full((n,), 0.5).view(torch.uint8), "upload")
+        it.put(2, torch.ones(n).view(torch.uint8), "upload")
+        it.run_batch([[m.GRAPH, 1, 2, [[1]], body, [5], []]])
+        if not program:
+            it.graphs.peek(1).program = False
+        for _ in range(3):
+            it.run_batch([[m.REPLAY, 1, [1, 2], [10], []]])
+        f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        for _ in range(3):
+            it.run_batch([[m.REPLAY, 1, [1, 2], [10], []]])
+        faults = (resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0) / 3
+        prog = it.graphs.peek(1).program
+        pooled = [fs.i for fs, _ in prog.pooled] if prog else []
+        held = it.mem.held()
+        it.graphs.clear()  # the kept buffers' charges go with the graph
+        got[program] = (it.tensors[10].view(torch.float32)[:4].tolist(), faults, pooled, held - it.mem.held())
+
+    for program in (False, True):
+        th = threading.Thread(target=work, args=(program,))
+        th.start()
+        th.join(100)
+    assert got[True][0] == got[False][0] == [3.5] * 4
+    assert got[True][2] == [0, 1]  # the kept result (step 2) is not pooled
+    assert 2 * 4 * n <= got[True][3] < 2 * 4 * n + (1 << 16)  # (and the graph's own entry)
+    assert 2 * got[True][1] < got[False][1]  # fresh pages for the kept result only, not for all three

@@ -49,13 +49,17 @@ class Compiled:
         except Exception:  # noqa: BLE001 - e.g. an index out of range: the eager steps say what is wrong
             return 0
         torch = prog.torch
+        seen = {t.untyped_storage().data_ptr() for t in args}  # an output sharing memory is copied
         for (tro, size, stride, off, dt, nb, d), r in zip(self.outs, outs):
+            st = r.untyped_storage()
+            ptr = st.data_ptr()
             if not (r.dtype is dt and r.shape == size and r.stride() == stride and r.storage_offset() == off
-                    and r.untyped_storage().nbytes() == nb):  # stored as the spec says, nothing more
+                    and st.nbytes() == nb and (ptr not in seen or not nb)):  # as the spec says, its own memory
                 buf = torch.zeros(nb, dtype=torch.uint8, device=r.device)
                 t = torch.empty((0,), dtype=dt, device=r.device).set_(buf.untyped_storage(), off, size, stride)
                 t.copy_(r)
                 r = t
+            seen.add(r.untyped_storage().data_ptr())
             V[tro] = r
             if d:
                 prog._derive(V, r, d)
@@ -87,7 +91,7 @@ class Compiler:
             c = self.cache.get(key)
         if c is not None:
             return c
-        plan = prog.prefix(g)
+        plan = prefix(prog, g)
         if plan is None:
             return None
         p, in_trs, outs, sregs, gm, examples = plan
@@ -107,8 +111,10 @@ class Compiler:
         import torch
         t = time.perf_counter()
         try:
+            from torch._inductor import config
             from torch._inductor.compile_fx import compile_fx
-            with torch.no_grad():
+            # indices are checked in the kernels (an out-of-range one raises: the replay runs eagerly)
+            with torch.no_grad(), config.patch({"assert_indirect_indexing": True}):
                 fn = compile_fx(gm, examples)
                 fn(*examples)  # the first call finishes loading the kernels
             c.fn, c.state = fn, READY
@@ -128,12 +134,15 @@ class Compiler:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def build(prog: Any, steps: list[Any], in_trs: list[int], in_lays: dict[int, Any], outs: list[int]) -> Any:
+def build(prog: Any, steps: list[Any], in_trs: list[int], in_lays: dict[int, Any], outs: list[int],
+          views: dict[int, tuple[int, Any, int, Any]]) -> Any:
     """The FX graph of ``steps`` (fast steps of ``prog``): placeholders for ``in_trs``, the ATen overloads
-    with the templates' literals and scalars, an output per typed register of ``outs``."""
+    with the templates' literals and scalars, ``views`` (typed register -> (the contiguous result it views,
+    its layout, the result's numel, the order of its dims in memory)) as ``aten.view`` or ``aten.as_strided``
+    of the result (of a contiguous copy of it in its memory order, where that is not its logical order), an output per typed register of ``outs``."""
     import torch
     graph = torch.fx.Graph()
-    env: dict[int, Any] = {tr: graph.placeholder(f"in{j}") for j, tr in enumerate(in_trs)}
+    env: dict[Any, Any] = {tr: graph.placeholder(f"in{j}") for j, tr in enumerate(in_trs)}
 
     def val(fs: Any, p: tuple[str, Any]) -> Any:
         kind, x = p
@@ -145,7 +154,26 @@ def build(prog: Any, steps: list[Any], in_trs: list[int], in_lays: dict[int, Any
             return [val(fs, q) for q in x]
         return x
 
+    aten = torch.ops.aten
     for fs in steps:
+        for tr in fs.trs:
+            if tr not in env and tr in views:
+                src, (size, stride, off, _), n, order = views[tr]
+                base = env[src]
+                if list(order) != sorted(order):  # memory order: a fresh contiguous buffer of the same bytes
+                    key = ("dense", src)
+                    if key not in env:
+                        env[key] = graph.call_function(aten.clone.default, (
+                            graph.call_function(aten.permute.default, (base, list(order))),),
+                            {"memory_format": torch.contiguous_format})
+                    base = env[key]
+                numel = 1
+                for d in size:
+                    numel *= d
+                if off == 0 and tuple(stride) == _contiguous(size) and numel == n:
+                    env[tr] = graph.call_function(aten.view.default, (base, list(size)))
+                else:
+                    env[tr] = graph.call_function(aten.as_strided.default, (base, list(size), list(stride), off))
         node = graph.call_function(fs.kernel.op, tuple(val(fs, p) for p in fs.plan),
                                    {n: val(fs, p) for n, p in fs.kwplan.items()})
         for idx, tro, _ in fs.touts:
@@ -161,4 +189,96 @@ def build(prog: Any, steps: list[Any], in_trs: list[int], in_lays: dict[int, Any
     return gm, examples
 
 
-__all__ = ["Compiler", "Compiled", "build", "PENDING", "READY", "FAILED"]
+def prefix(prog: Any, g: Any) -> Any:
+    """What to compile of ``prog`` (a :class:`~.program.Program`): the longest prefix of trusted steps
+    that write nothing, draw nothing and read inputs' views, earlier results, or views of earlier dense
+    results, as
+    ``(steps, input typed registers, outputs, scalar registers, FX graph, example inputs)``; None
+    when it is shorter than ``compiled.MIN_STEPS``."""
+    inputs = {tr: (lay, need) for lst in prog.in_lays.values() for tr, lay, need in lst}
+    derived = {tr: (prog.prod[r], lay) for r, lst in prog.derive.items() for tr, lay, _ in lst}
+    extent = {tr: need for lst in prog.derive.values() for tr, _, need in lst}
+    dense: dict[int, Any] = {}  # results laid out densely from offset 0: the dims' order in memory
+    produced: set[int] = set()
+    in_trs: list[int] = []
+    views: dict[int, tuple[int, Any, int, Any]] = {}
+    numel: dict[int, int] = {}
+    steps: list[Any] = []
+    for fs in prog.fast:
+        if fs is None or not fs.trusted or fs.wtrs or fs.fc is None or not _draws_nothing(fs):
+            break
+        new = [tr for tr in dict.fromkeys(fs.trs) if tr not in produced and tr not in in_trs and tr not in views]
+        if any(tr not in inputs and not _viewable(prog, tr, derived, dense, numel, extent) for tr in new):
+            break  # a view the compiled graph cannot make as eager does: it stops before it
+        in_trs += [tr for tr in new if tr in inputs]
+        views.update((tr, (*derived[tr], numel[derived[tr][0]], dense[derived[tr][0]])) for tr in new
+                     if tr not in inputs)
+        steps.append(fs)
+        for (_, size, stride, off, dt, _, _), tro, _ in fs.outs:
+            produced.add(tro)
+            numel[tro] = size.numel()
+            order = _dense_order(size, stride) if off == 0 else None
+            if order is not None:
+                dense[tro] = order
+    p = len(steps)
+    if p < MIN_STEPS:
+        return None
+    needed = {r for s in g.steps[p:] for r in s[1]} | set(g.kept)
+    outs = []
+    for fs in steps:
+        for (_, size, stride, off, dt, nb, _), tro, oreg in fs.outs:
+            if oreg in needed:
+                outs.append((tro, size, stride, off, dt, nb, prog.derive.get(oreg)))
+    gm, examples = build(prog, steps, in_trs, inputs, [o[0] for o in outs], views)
+    return p, in_trs, outs, {fs.sreg for fs in steps}, gm, examples
+
+
+def _viewable(prog: Any, tr: int, derived: Any, dense: Any, numel: Any, extent: Any) -> bool:
+    """Can the compiled graph make typed register ``tr`` (a view of an earlier result) as eager does:
+    a dense result of the same dtype, the view inside its bytes (as_strided checks no bounds)."""
+    if tr not in derived:
+        return False
+    src, lay = derived[tr]
+    dt = _dtype_of(prog, src)
+    return src in dense and prog.aten.DTYPES[lay[3]] is dt and extent[tr] <= numel[src] * dt.itemsize
+
+def _dtype_of(prog: Any, tro: int) -> Any:
+    for fs in prog.fast:
+        if fs is not None:
+            for (_, _, _, _, dt, _, _), t, _ in fs.outs:
+                if t == tro:
+                    return dt
+    return None
+
+
+def _contiguous(size: Any) -> tuple[int, ...]:
+    out, n = [], 1
+    for d in reversed(list(size)):
+        out.append(n)
+        n *= max(d, 1)
+    return tuple(reversed(out))
+
+
+def _dense_order(size: Any, stride: Any) -> tuple[int, ...] | None:
+    """The permutation of dims that lays ``size``/``stride`` out contiguously (outermost first), or None
+    when the layout is not dense (gaps, overlaps, broadcast)."""
+    order = tuple(sorted(range(len(size)), key=lambda d: (-stride[d], d)))
+    if tuple(stride[d] for d in order) != _contiguous([size[d] for d in order]):
+        return None
+    return order
+
+
+def _draws_nothing(fs: Any) -> bool:
+    """A step that takes no random stream: not a random op, or attention with ``dropout_p`` 0."""
+    if fs.kernel.draw is None:
+        return True
+    names = [a.name for a in fs.kernel.op._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    j = names.index("dropout_p")
+    p = fs.plan[j] if j < len(fs.plan) else fs.kwplan.get("dropout_p", ("c", 0.0))
+    v = p[1] if p[0] == "c" else fs.baked[p[1]] if p[0] == "s" and fs.baked is not None else None
+    return type(v) in (int, float) and v == 0
+
+
+__all__ = ["Compiler", "Compiled", "build", "prefix", "PENDING", "READY", "FAILED"]

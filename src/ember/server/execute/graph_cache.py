@@ -64,7 +64,7 @@ class CompiledGraph:
     def drop(self) -> None:
         """The graph left the cache: its program's cached views go (they hold storages of the session)."""
         if self.program:
-            self.program.release()
+            self.program.drop()
 
 
 def digest(raw: bytes) -> bytes:

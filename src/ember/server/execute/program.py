@@ -24,6 +24,11 @@ replay charges step by step); when that is over the budget, or a step's operand 
 or not a storage that holds its layout, the step runs as the generic replay runs it
 (:meth:`GraphReplay._step`: the same errors, the same poison), as does every step that is not a vetted
 ATen call. Storage values are made only where one is needed (a generic step's operand, a kept output).
+
+A trusted step whose result is large (``POOL_MIN``) and never leaves the replay (not kept, read by fast
+steps only) writes it with the overload's ``out=`` twin into a buffer the program keeps across replays
+(charged to the session while kept, returned when the graph leaves the cache): no allocation, so no
+fresh pages to fault in, per replay (glibc maps such buffers afresh each time: issue 21's page faults).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import keyword
 import sys
 from typing import Any, Callable
 
+#: Results of at least this many bytes that never leave a replay get a buffer kept across replays.
+POOL_MIN = 1 << 20
 _MISS = object()  # a fast step's operand is not available as a typed tensor: run the generic step
 _MAKERS: dict[str, Any] = {}  # compiled step makers, by generated source (shared by all programs)
 
@@ -83,6 +90,9 @@ class Program:
         self.need = sum(fs.nbytes for fs in self.fast if fs is not None)
         self.n_fast = sum(1 for fs in self.fast if fs is not None)
         self.comp: Any = None  # its compiled prefix (compiled.py), False when there is none to compile
+        self.pooled: list[tuple[FastStep, int]] = []  # steps writing into a buffer kept across replays
+        self.escapes: set[int] | None = None  # registers kept or read by generic steps
+        self.mem: Any = None
         self.replays = 0
 
     # ---- lowering ----------------------------------------------------------------------------
@@ -246,37 +256,6 @@ class Program:
         for r in g.kept:
             mat(R, V, r)
 
-    def prefix(self, g: Any) -> Any:
-        """What to compile (compiled.py): the longest prefix of trusted steps that write nothing, draw
-        nothing and read only inputs' views and earlier results in their specs' layouts, as
-        ``(steps, input typed registers, outputs, scalar registers, FX graph, example inputs)``; None
-        when it is shorter than ``compiled.MIN_STEPS``."""
-        from .compiled import MIN_STEPS, build
-        inputs = {tr: (lay, need) for lst in self.in_lays.values() for tr, lay, need in lst}
-        produced: set[int] = set()
-        in_trs: list[int] = []
-        steps: list[FastStep] = []
-        for fs in self.fast:
-            if fs is None or not fs.trusted or fs.wtrs or fs.kernel.draw is not None or fs.fc is None:
-                break
-            new = [tr for tr in dict.fromkeys(fs.trs) if tr not in produced and tr not in in_trs]
-            if any(tr not in inputs for tr in new):
-                break  # a view made between steps: the compiled graph stops before it
-            in_trs += new
-            steps.append(fs)
-            produced.update(tro for _, tro, _ in fs.touts)
-        p = len(steps)
-        if p < MIN_STEPS:
-            return None
-        needed = {r for s in g.steps[p:] for r in s[1]} | set(g.kept)
-        outs = []
-        for fs in steps:
-            for (_, size, stride, off, dt, nb, _), tro, oreg in fs.outs:
-                if oreg in needed:
-                    outs.append((tro, size, stride, off, dt, nb, self.derive.get(oreg)))
-        gm, examples = build(self, steps, in_trs, inputs, [o[0] for o in outs])
-        return p, in_trs, outs, {fs.sreg for fs in steps}, gm, examples
-
     def _mat(self, R: list[Any], V: list[Any], r: int) -> Any:
         """Register ``r``'s storage value (made from its typed register if only that exists)."""
         v = R[r]
@@ -404,6 +383,45 @@ class Program:
                 if len(fs.touts) == 1 and not fs.touts[0][2]:
                     fs.one = fs.touts[0][1]
             fs.trusted = True
+            if fs.one >= 0 and fs.nbytes >= POOL_MIN:
+                self._pool(it, g, fs)
+
+    # ---- output buffers kept across replays --------------------------------------------------------
+    def _pool(self, it: Any, g: Any, fs: FastStep) -> None:
+        """A trusted step's large result that never leaves the replay (not kept, read by fast steps only)
+        is written by the overload's ``out=`` twin into one buffer the program keeps across replays: no
+        allocation, so no page faults, per replay. The buffer is charged to the session while kept."""
+        oreg = fs.oregs[0]
+        if self.escapes is None:
+            self.escapes = set(g.kept)
+            for f, s in zip(self.fast, g.steps):
+                if f is None:
+                    self.escapes.update(s[1])
+        op = fs.kernel.op
+        twin = getattr(op.overloadpacket, "out", None)
+        names = [a.name for a in op._schema.arguments]
+        if oreg in self.escapes or fs.kernel.draw is not None or fs.fc is None or twin is None \
+                or [a.name for a in twin._schema.arguments] != names + ["out"]:
+            return
+        (_, size, stride, off, dt, nb, _), _, _ = fs.outs[0]
+        try:
+            it.mem.charge(nb, lambda: f"an output buffer of graph {g.gid}")
+        except Exception:  # noqa: BLE001 - no room: the step allocates its result each replay
+            return
+        torch = self.torch
+        buf = torch.zeros(nb, dtype=torch.uint8, device=self.device)
+        out = torch.empty((0,), dtype=dt, device=self.device).set_(buf.untyped_storage(), off, size, stride)
+        fs.fc = _maker(fs.plan, {**fs.kwplan, "out": ("c", out)}, twin._op, None, fs.baked, len(fs.trs))(fs.trs)
+        self.pooled.append((fs, nb))
+        self.mem = it.mem
+
+    def drop(self) -> None:
+        """The graph left the cache: cached views and kept output buffers go (their charges returned)."""
+        self.release()
+        for fs, nb in self.pooled:
+            fs.trusted = False  # (a program is not replayed after this; its steps would be checked again)
+            self.mem.release(nb)
+        self.pooled = []
 
 
 def _key(lay: Any) -> tuple[Any, ...]:
