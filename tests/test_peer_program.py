@@ -45,7 +45,14 @@ def chain(n: int) -> list[Any]:
 
 def live_tensors_on(ptr: int) -> int:
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == ptr)
+    n = 0
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            try:
+                n += o.untyped_storage().data_ptr() == ptr
+            except RuntimeError:  # (another test's tensor without a real storage: meta, fake, freed)
+                pass
+    return n
 
 
 def test_cached_input_views_go_with_the_storage_and_keep_nothing_freed_alive() -> None:
