@@ -335,3 +335,38 @@ def test_a_step_that_returns_a_gradient_it_keeps_runs_eagerly(peer: ember.Device
     with pytest.warns(C.CaptureWarning, match="also keeps"):
         grads = [step(x).cpu() for _ in range(6)]
     assert step.why is not None and not torch.equal(grads[0], grads[-1])
+
+
+def test_a_captured_decode_step_with_a_static_cache_is_one_replay_and_one_read_per_token(peer: ember.Device) -> None:
+    """HF GPT-2 with a StaticCache (written in place at a cache_position tensor): the decode step has
+    fixed layouts, so it is captured; greedy tokens equal local CPU generate()'s."""
+    tf = pytest.importorskip("transformers")
+    tf.utils.logging.set_verbosity_error()
+    cfg = tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=60, n_positions=48, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    ref = tf.GPT2LMHeadModel(cfg).eval()
+    prompt = torch.randint(0, 60, (1, 6))
+    want = ref.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0, cache_implementation="static")
+    model = tf.GPT2LMHeadModel(cfg).eval()
+    model.load_state_dict(ref.state_dict())
+    model = model.to("ember")
+    cache = tf.StaticCache(config=cfg, max_cache_len=32)
+
+    @ember.torch.capture
+    def decode(tok: Any, pos: Any) -> Any:
+        return model(input_ids=tok, cache=cache, cache_position=pos, use_cache=True).logits[:, -1:].argmax(-1)
+    s = peer.session
+    with torch.no_grad():
+        logits = model(input_ids=prompt.to("ember"), cache=cache, cache_position=torch.arange(6).to("ember"),
+                       use_cache=True).logits
+        tok = logits[:, -1:].argmax(-1)
+        toks = [tok.cpu()]
+        before, reads = dict(C.stats), s.stats["reads"]
+        for i in range(15):
+            if i == 3:
+                m0 = s.stats["ops"]
+            tok = decode(tok, torch.tensor([6 + i]).to("ember"))
+            toks.append(tok.cpu())  # the one read per token
+    assert torch.equal(torch.cat([prompt, *toks], 1), want)
+    assert C.stats["replays"] >= before["replays"] + 12 and s.stats["reads"] == reads + 15
+    assert (s.stats["ops"] - m0) / 12 <= 5  # upload of the position, REPLAY, READ, DROPs
