@@ -55,7 +55,7 @@ class ClientSession(BulkData, LaneData, GroupHolding):
                  address: str, device: int, read_timeout: float = 300.0, idle_flush: float = 0.002,
                  max_batch: int = 512, heartbeat_interval: float = 1.0, heartbeat_timeout: float = 5.0,
                  graphs: bool = True, graph_min_ops: int = 8, graph_max_ops: int = 4096,
-                 graph_hold: float = 0.02, graph_hold_max: float = 1.0, graph_min_period: int = 128, lanes: int = 0,
+                 graph_hold: float = 0.02, graph_hold_max: float = 0.5, graph_min_period: int = 128, lanes: int = 0,
                  dial_lane: Any = None, session_id: bytes = b"") -> None:
         self.conn, self.welcome, self.loop, self.address, self.device = conn, welcome, loop, address, device
         self.read_timeout, self.idle_flush, self.max_batch = read_timeout, idle_flush, max_batch
