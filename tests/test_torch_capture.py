@@ -370,3 +370,28 @@ def test_a_captured_decode_step_with_a_static_cache_is_one_replay_and_one_read_p
     assert torch.equal(torch.cat([prompt, *toks], 1), want)
     assert C.stats["replays"] >= before["replays"] + 12 and s.stats["reads"] == reads + 15
     assert (s.stats["ops"] - m0) / 12 <= 5  # upload of the position, REPLAY, READ, DROPs
+
+
+def test_an_eager_lstm_step_longer_than_a_batch_is_held_whole_and_replayed(tcp_peer: str) -> None:
+    """Without capture: the op-graph cache holds a step of ~1000 ops (groups up to 4096) and, when the
+    step takes longer to record than the hold, learns a longer hold: the step replays."""
+    with ember.connect(tcp_peer) as dev:
+        s = dev.session
+        torch.manual_seed(0)
+        model = LSTMLM().to("ember")
+        o = torch.optim.SGD(model.parameters(), lr=0.5)
+        g = torch.Generator().manual_seed(0)
+        state = tuple(torch.zeros(2, 4, 12).to("ember") for _ in range(2))
+        for k in range(14):
+            if k == 4:
+                r0, ops0 = s.stats["replays"], s.stats["replayed_ops"]
+            x, y = (t.to("ember") for t in W.lm_batch(30, 4, 24)(g))  # (uploads: the group's boundaries)
+            o.zero_grad(set_to_none=True)
+            out, _ = model(x, state)
+            loss = _lm_loss(out, y)
+            loss.backward()
+            o.step()
+            if k % 5 == 4:
+                loss.item()
+        n = s.stats["replays"] - r0
+        assert n >= 6 and (s.stats["replayed_ops"] - ops0) / n > 512, (n, s.stats)
