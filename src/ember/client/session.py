@@ -13,6 +13,10 @@ extra I/O-thread wake-up on every op + read round trip).
 Op-graph caching (``graphs=True``, see :mod:`ember.client.graph`): a group of
 ops that recurs between two boundaries (reads, uploads...) is held instead of
 queued while it matches the previous such group, and goes out as one REPLAY.
+A group may be up to ``graph_max_ops`` (4096) long; it is held at most
+``graph_hold`` seconds, longer (up to ``graph_hold_max``) once a group given up
+at that limit turned out to match its candidate (a step that takes longer to
+record than the hold: an LSTM's).
 A loop with no boundary in it (a training loop that reads its loss only now
 and then) is one long run of ops; once it outgrows a graph the session looks
 for a period in its op names and, if there is one, cuts the run every period
