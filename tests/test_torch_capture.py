@@ -395,3 +395,18 @@ def test_an_eager_lstm_step_longer_than_a_batch_is_held_whole_and_replayed(tcp_p
                 loss.item()
         n = s.stats["replays"] - r0
         assert n >= 6 and (s.stats["replayed_ops"] - ops0) / n > 512, (n, s.stats)
+
+
+def test_autocast_on_or_off_is_a_different_program() -> None:
+    torch.manual_seed(0)
+    with ember.connect("local:torch"):
+        lin = nn.Linear(8, 8).to("ember")
+        run = ember.torch.capture(lambda x: lin(x).float().sum())
+        x = torch.randn(4, 8).to("ember")
+        with torch.no_grad():
+            plain = [run(x).item() for _ in range(4)]
+            with torch.autocast("ember", dtype=torch.bfloat16):
+                low = [run(x).item() for _ in range(4)]
+                want_low = lin(x).float().sum().item()
+            want = lin(x).float().sum().item()
+    assert plain == [want] * 4 and low == [want_low] * 4 and want != want_low
