@@ -410,3 +410,24 @@ def test_autocast_on_or_off_is_a_different_program() -> None:
                 want_low = lin(x).float().sum().item()
             want = lin(x).float().sum().item()
     assert plain == [want] * 4 and low == [want_low] * 4 and want != want_low
+
+
+def test_a_float_learning_rate_changed_every_step_says_to_use_a_tensor() -> None:
+    torch.manual_seed(0)
+    with ember.connect("local:torch"):
+        lin = nn.Linear(4, 2).to("ember")
+        o = torch.optim.SGD(lin.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9)
+
+        @ember.torch.capture
+        def step(x: Any) -> Any:
+            o.zero_grad(set_to_none=True)
+            loss = lin(x).square().mean()
+            loss.backward()
+            o.step()
+            return loss
+        x = torch.ones(3, 4).to("ember")
+        with pytest.warns(C.CaptureWarning, match="lr=torch.tensor"):
+            for _ in range(6):
+                step(x)
+                sched.step()

@@ -440,7 +440,11 @@ class Captured:
             stats["captures"] += 1
             self.misses = 0
             return out
-        if last is not None and last.sig[:2] == rec.sig[:2] and last.sig[2] != rec.sig[2]:
+        if last is not None and last.guards[2] != rec.guards[2] and last.guards[:2] == rec.guards[:2]:
+            self._missed("steps an optimizer whose hyperparameters change every call (a learning-rate schedule: "
+                         "give the lr as an ember tensor, lr=torch.tensor(lr, device='ember'), with "
+                         "capturable=True or fused=True)")
+        elif last is not None and last.sig[:2] == rec.sig[:2] and last.sig[2] != rec.sig[2]:
             self._missed("records new scalar values every call (host-side state such as a non-capturable "
                          "optimizer's step count: construct Adam/AdamW with fused=True or capturable=True)")
         else:
