@@ -136,3 +136,23 @@ def test_a_compiled_optimizer_step_keeps_its_writes_in_the_graph_and_replays() -
         compiled = run(True)
     same(eager, compiled)
     assert C.stats["replays"] >= before["replays"] + 8
+
+
+def test_a_compiled_graph_is_one_replay_per_call_without_dispatch() -> None:
+    with ember.connect("local:torch") as dev:
+        s = dev.session
+        torch.manual_seed(0)
+        model = W.MLP(16, 32, 4).to("ember")
+        run = torch.compile(model, backend="ember")
+        x = torch.randn(8, 16).to("ember")
+        with torch.no_grad():
+            want = model(x).cpu()
+            for _ in range(3):
+                run(x)
+            dev.sync()
+            r0, ops0, m0 = s.stats["replays"], ember.torch.counters["ops"], s.stats["ops"]
+            outs = [run(x) for _ in range(10)]
+            dev.sync()
+        assert s.stats["replays"] == r0 + 10 and ember.torch.counters["ops"] == ops0
+        assert s.stats["ops"] - m0 <= 10 + 2  # one REPLAY each (and the SYNC; drops ride along)
+        assert all(torch.equal(o.cpu(), want) for o in outs)
