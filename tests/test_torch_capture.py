@@ -335,3 +335,99 @@ def test_a_step_that_returns_a_gradient_it_keeps_runs_eagerly(peer: ember.Device
     with pytest.warns(C.CaptureWarning, match="also keeps"):
         grads = [step(x).cpu() for _ in range(6)]
     assert step.why is not None and not torch.equal(grads[0], grads[-1])
+
+
+def test_a_captured_decode_step_with_a_static_cache_is_one_replay_and_one_read_per_token(peer: ember.Device) -> None:
+    """HF GPT-2 with a StaticCache (written in place at a cache_position tensor): the decode step has
+    fixed layouts, so it is captured; greedy tokens equal local CPU generate()'s."""
+    tf = pytest.importorskip("transformers")
+    tf.utils.logging.set_verbosity_error()
+    cfg = tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=60, n_positions=48, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    ref = tf.GPT2LMHeadModel(cfg).eval()
+    prompt = torch.randint(0, 60, (1, 6))
+    want = ref.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0, cache_implementation="static")
+    model = tf.GPT2LMHeadModel(cfg).eval()
+    model.load_state_dict(ref.state_dict())
+    model = model.to("ember")
+    cache = tf.StaticCache(config=cfg, max_cache_len=32)
+
+    @ember.torch.capture
+    def decode(tok: Any, pos: Any) -> Any:
+        return model(input_ids=tok, cache=cache, cache_position=pos, use_cache=True).logits[:, -1:].argmax(-1)
+    s = peer.session
+    with torch.no_grad():
+        logits = model(input_ids=prompt.to("ember"), cache=cache, cache_position=torch.arange(6).to("ember"),
+                       use_cache=True).logits
+        tok = logits[:, -1:].argmax(-1)
+        toks = [tok.cpu()]
+        before, reads = dict(C.stats), s.stats["reads"]
+        for i in range(15):
+            if i == 3:
+                m0 = s.stats["ops"]
+            tok = decode(tok, torch.tensor([6 + i]).to("ember"))
+            toks.append(tok.cpu())  # the one read per token
+    assert torch.equal(torch.cat([prompt, *toks], 1), want)
+    assert C.stats["replays"] >= before["replays"] + 12 and s.stats["reads"] == reads + 15
+    assert (s.stats["ops"] - m0) / 12 <= 5  # upload of the position, REPLAY, READ, DROPs
+
+
+def test_an_eager_lstm_step_longer_than_a_batch_is_held_whole_and_replayed(tcp_peer: str) -> None:
+    """Without capture: the op-graph cache holds a step of ~1000 ops (groups up to 4096) and, when the
+    step takes longer to record than the hold, learns a longer hold: the step replays."""
+    with ember.connect(tcp_peer) as dev:
+        s = dev.session
+        torch.manual_seed(0)
+        model = LSTMLM().to("ember")
+        o = torch.optim.SGD(model.parameters(), lr=0.5)
+        g = torch.Generator().manual_seed(0)
+        state = tuple(torch.zeros(2, 4, 12).to("ember") for _ in range(2))
+        for k in range(14):
+            if k == 4:
+                r0, ops0 = s.stats["replays"], s.stats["replayed_ops"]
+            x, y = (t.to("ember") for t in W.lm_batch(30, 4, 24)(g))  # (uploads: the group's boundaries)
+            o.zero_grad(set_to_none=True)
+            out, _ = model(x, state)
+            loss = _lm_loss(out, y)
+            loss.backward()
+            o.step()
+            if k % 5 == 4:
+                loss.item()
+        n = s.stats["replays"] - r0
+        assert n >= 6 and (s.stats["replayed_ops"] - ops0) / n > 512, (n, s.stats)
+
+
+def test_autocast_on_or_off_is_a_different_program() -> None:
+    torch.manual_seed(0)
+    with ember.connect("local:torch"):
+        lin = nn.Linear(8, 8).to("ember")
+        run = ember.torch.capture(lambda x: lin(x).float().sum())
+        x = torch.randn(4, 8).to("ember")
+        with torch.no_grad():
+            plain = [run(x).item() for _ in range(4)]
+            with torch.autocast("ember", dtype=torch.bfloat16):
+                low = [run(x).item() for _ in range(4)]
+                want_low = lin(x).float().sum().item()
+            want = lin(x).float().sum().item()
+    assert plain == [want] * 4 and low == [want_low] * 4 and want != want_low
+
+
+def test_a_float_learning_rate_changed_every_step_says_to_use_a_tensor() -> None:
+    torch.manual_seed(0)
+    with ember.connect("local:torch"):
+        lin = nn.Linear(4, 2).to("ember")
+        o = torch.optim.SGD(lin.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9)
+
+        @ember.torch.capture
+        def step(x: Any) -> Any:
+            o.zero_grad(set_to_none=True)
+            loss = lin(x).square().mean()
+            loss.backward()
+            o.step()
+            return loss
+        x = torch.ones(3, 4).to("ember")
+        with pytest.warns(C.CaptureWarning, match="lr=torch.tensor"):
+            for _ in range(6):
+                step(x)
+                sched.step()

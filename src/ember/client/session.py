@@ -13,6 +13,10 @@ extra I/O-thread wake-up on every op + read round trip).
 Op-graph caching (``graphs=True``, see :mod:`ember.client.graph`): a group of
 ops that recurs between two boundaries (reads, uploads...) is held instead of
 queued while it matches the previous such group, and goes out as one REPLAY.
+A group may be up to ``graph_max_ops`` (4096) long; it is held at most
+``graph_hold`` seconds, longer (up to ``graph_hold_max``) once a group given up
+at that limit turned out to match its candidate (a step that takes longer to
+record than the hold: an LSTM's).
 A loop with no boundary in it (a training loop that reads its loss only now
 and then) is one long run of ops; once it outgrows a graph the session looks
 for a period in its op names and, if there is one, cuts the run every period
@@ -57,7 +61,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
                  address: str, device: int, read_timeout: float = 300.0, idle_flush: float = 0.002,
                  max_batch: int = 512, heartbeat_interval: float = 1.0, heartbeat_timeout: float = 5.0,
                  graphs: bool = True, graph_min_ops: int = 8, graph_max_ops: int = 4096,
-                 graph_hold: float = 0.02, graph_hold_max: float = 1.0, graph_min_period: int = 128, lanes: int = 0,
+                 graph_hold: float = 0.02, graph_hold_max: float = 0.5, graph_min_period: int = 128, lanes: int = 0,
                  dial_lane: Any = None, session_id: bytes = b"") -> None:
         self.conn, self.welcome, self.loop, self.address, self.device = conn, welcome, loop, address, device
         self.read_timeout, self.idle_flush, self.max_batch = read_timeout, idle_flush, max_batch

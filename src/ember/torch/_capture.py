@@ -21,12 +21,12 @@ What a replay writes (see docs/protocol.md, "Graphs and replays"):
   graph on the client).
 
 Guards (checked on every call, cheaply; any change records again): the arguments' structure,
-layouts, dtypes and storage sharing, and non-tensor values; grad mode; every outside tensor the
-graph reads or rewrites still alive; the ``training`` flags of the modules the step ran and the
-hyperparameters of the optimizers it stepped (a new learning rate records again; one given as an
-ember tensor with ``capturable=True`` is a graph input that a scheduler changes in place). The step's
-Python runs only while recording: side effects on plain Python objects are not repeated by a
-replay (as with CUDA graphs).
+layouts, dtypes and storage sharing, and non-tensor values; grad mode and autocast; every
+outside tensor the graph reads or rewrites still alive; the ``training`` flags of the modules the
+step ran and the hyperparameters of the optimizers it stepped (a new learning rate records again;
+one given as an ember tensor with ``capturable=True`` is a graph input that a scheduler changes in
+place). The step's Python runs only while recording: side effects on plain Python objects are not
+repeated by a replay (as with CUDA graphs). One thread at a time records a session's step.
 
 A step the capture cannot hold -- one that reads a value (``.item()``, ``print``, a data-dependent
 shape), uploads (``x.to("ember")`` inside the step: pass the tensors as arguments), draws on
@@ -373,7 +373,8 @@ class Captured:
         if recording():  # a capture inside a capture: the outer one records these ops
             return self.fn(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
-        key: list[Any] = [spec, torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+        key: list[Any] = [spec, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                          torch.is_autocast_enabled("ember") and torch.get_autocast_dtype("ember")]
         tens: list[torch.Tensor] = []
         refs: list[StorageRef] = []
         first: dict[int, int] = {}
@@ -439,7 +440,11 @@ class Captured:
             stats["captures"] += 1
             self.misses = 0
             return out
-        if last is not None and last.sig[:2] == rec.sig[:2] and last.sig[2] != rec.sig[2]:
+        if last is not None and last.guards[2] != rec.guards[2] and last.guards[:2] == rec.guards[:2]:
+            self._missed("steps an optimizer whose hyperparameters change every call (a learning-rate schedule: "
+                         "give the lr as an ember tensor, lr=torch.tensor(lr, device='ember'), with "
+                         "capturable=True or fused=True)")
+        elif last is not None and last.sig[:2] == rec.sig[:2] and last.sig[2] != rec.sig[2]:
             self._missed("records new scalar values every call (host-side state such as a non-capturable "
                          "optimizer's step count: construct Adam/AdamW with fused=True or capturable=True)")
         else:
