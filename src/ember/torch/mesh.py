@@ -164,12 +164,16 @@ class MeshSession:
     def sync(self, timeout: float | None = None) -> None:
         self.request(m.SYNC, timeout=timeout)
 
-    def close(self) -> None:
+    def unfan(self) -> None:
+        """Send what waits to every peer, then stop fanning out (each session then closes on its own)."""
         try:
             self.leader.flush()
         except EmberError:
             pass
         self.leader._fan = None
+
+    def close(self) -> None:
+        self.unfan()
         for s in self.peers:
             s.close()
 
@@ -313,6 +317,7 @@ class Mesh(Device):
                 s.record([_OP, "torch.dist.leave", [], 0, [], {"g": self.group}])
             except EmberError:
                 pass
+        s.unfan()
         for d in self.devices:
             d.close()
 
