@@ -164,6 +164,8 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut):
     def _flush_locked(self, boundary: bool = True, fan: bool = True) -> None:
         """Encode and queue the pending batch. ``boundary``: also end the current op group. ``fan``: queue
         it on the followers too (a mesh, :meth:`fanout`)."""
+        if self._off:
+            fan = False
         if boundary:
             g = self._grp
             if g is None or g:
