@@ -268,13 +268,38 @@ def test_a_poisoned_rank_in_a_replayed_step_still_joins_and_poisons_every_rank(p
         mesh.close()
 
 
-@pytest.mark.timeout(60)
-def test_what_a_collective_holds_is_charged_to_the_session_budget():
+def in_process_peers(**options) -> list[Server]:
     servers = []
-    for _ in range(2):  # two in-process peers with a 1 MiB session budget
-        s = Server(["torch:cpu"], collectives=True, dist_host="127.0.0.1", session_memory=1 << 20)
+    for _ in range(2):
+        s = Server(["torch:cpu"], collectives=True, dist_host="127.0.0.1", **options)
         s.listen_tcp("127.0.0.1", 0)
         servers.append(s)
+    return servers
+
+
+@pytest.mark.timeout(60)
+def test_every_peer_gets_the_same_batches_and_frees_the_same_tensors():
+    servers = in_process_peers()
+    try:
+        mesh = ember.torch.mesh([s.start_in_thread()[0] for s in servers], timeout=10)
+        with mesh:
+            keep = torch.ones(4, device="ember")
+            for i in range(40):  # own shards (one per peer), ops sent once to both, drops to both
+                t = (mesh.shard(torch.arange(8.0) + i) * 2).sum()
+                del t
+            mesh.sync()
+            held = [sorted(s.interp.tensors) for srv in servers for s in list(srv.live)]
+            assert len(held) == 2 and held[0] == held[1] and len(held[0]) <= 3, held
+            assert mesh.mean(keep).cpu().tolist() == [1.0] * 4
+        mesh.close()
+    finally:
+        for s in servers:
+            s.close()
+
+
+@pytest.mark.timeout(60)
+def test_what_a_collective_holds_is_charged_to_the_session_budget():
+    servers = in_process_peers(session_memory=1 << 20)  # a 1 MiB session budget
     try:
         mesh = ember.torch.mesh([s.start_in_thread()[0] for s in servers], timeout=10)
         with mesh:

@@ -217,6 +217,7 @@ class Mesh(Device):
         except EmberError as e:
             raise MeshError(f"{ms.names[0]} cannot host the mesh's store: {e.message}",
                             hint="serve every mesh peer with `ember serve --device torch:... --collectives`") from None
+        first.record_own([m.DROP, [sid]])  # (the address only: the store lives on with the group)
         jid = next(ms.ids)
         ms.record_each([[_OP, "torch.dist.join", [], 0, [jid], {"g": self.group, "store": store, "rank": rank,
                                                                "size": self.size, "timeout": float(self.timeout),
