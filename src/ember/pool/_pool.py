@@ -26,7 +26,7 @@ def _ray() -> Any:
     return ray
 
 
-def broker(ray: Any, *, detached: bool = False, start: bool = True) -> Any:
+def get_broker(ray: Any, *, detached: bool = False, start: bool = True) -> Any:
     """The ``ember-pool`` broker actor: the running one, else (``start``) a new one -- ``detached``
     outlives this driver (``ember pool serve``), else it ends with it."""
     try:
@@ -139,7 +139,7 @@ class Pool:
         ray = self.ray = _ray()
         if not ray.is_initialized():
             ray.init(address=address, **init)
-        self.broker = broker(ray)
+        self.broker = get_broker(ray)
         self.identity = identity
 
     def _grant(self, n: int, device: str, num_cpus: float, num_gpus: float, wait: float, idle: float,
@@ -193,4 +193,4 @@ def pool(address: str | None = None, **options: Any) -> Pool:
     return Pool(address, **options)
 
 
-__all__ = ["pool", "Pool", "Lease", "MeshLease", "LeaseLost", "LeaseTimeout", "broker"]
+__all__ = ["pool", "Pool", "Lease", "MeshLease", "LeaseLost", "LeaseTimeout", "get_broker"]

@@ -10,7 +10,9 @@ A lease ends on release, when its peer ends itself (no session for ``idle`` seco
 silent) and when an actor dies (killed, its node lost): the broker waits on every peer's ``ended``
 call, so it learns of a death without polling, then kills the lease's other actors and removes its
 placement group. Ended leases are remembered (the last :data:`KEEP_ENDED`) so that the client's
-:meth:`~ember.pool.Lease.check` can say why.
+:meth:`~ember.pool.Lease.check` can say why; a holder keeps an :meth:`Broker.ended` call pending
+and so learns of the end at once. The broker owns its peers' actors: they share its fate (Ray
+ends an actor whose owner died), so a broker that dies or is stopped leaves no peer behind.
 """
 
 from __future__ import annotations
