@@ -7,9 +7,11 @@
 ...     loss = F.cross_entropy(model(x), mesh.shard(y_cpu)); loss.backward()
 ...     print(mesh.mean(loss).item())
 
-A :class:`Mesh` is an Ember device whose session (:class:`MeshSession`) appends every message
-to each peer's session under the same ids: torch dispatch and meta inference run once, and each
-peer runs the same ops on its own data. Reads answer rank 0's value. Collectives
+A :class:`Mesh` is an Ember device whose session (:class:`MeshSession`) records every message once,
+in rank 0's session, which groups and encodes each batch once and queues the same frames on every
+other peer's session (``client/fanout.py``), under the same ids: torch dispatch, meta inference,
+op-graph capture and encoding run once, and each peer runs the same ops (the same replayed graphs)
+on its own data. Reads answer rank 0's value. Collectives
 (:meth:`Mesh.all_reduce`, ``broadcast``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``,
 ``barrier``) are ops the peers run among themselves with torch.distributed (peers serve
 ``--collectives``), in one process group per mesh (server/execute/collectives.py).
