@@ -69,6 +69,7 @@ def test_leases_queue_while_the_cluster_is_full_and_leave_nothing(cluster):
     third.start()
     third.join(1.0)
     assert not got  # no room: queued
+    assert wait_until(lambda: [x["state"] for x in cluster.status()["leases"]].count("pending") == 1, 10)
     a.release()
     third.join(90)
     assert got, "the queued lease never started after a release"
@@ -80,9 +81,14 @@ def test_leases_queue_while_the_cluster_is_full_and_leave_nothing(cluster):
 
 @pytest.mark.timeout(60)
 def test_a_lease_the_cluster_cannot_place_times_out(cluster):
+    from ray.util import placement_group_table
     with pytest.raises(LeaseTimeout):
         cluster.lease(num_cpus=64, wait=2)
+    with pytest.raises(LeaseTimeout, match="mesh of 2"):  # one node: two peers on two nodes cannot be placed
+        cluster.lease_mesh(2, num_cpus=1, strategy="STRICT_SPREAD", wait=2)
     assert wait_until(lambda: alive_actors() == 0, 30)
+    assert all(v["state"] == "REMOVED" for v in placement_group_table().values())
+    assert cluster.status()["leases"] == []
 
 
 @pytest.mark.timeout(120)
