@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 import ember  # noqa: E402
 import ember.torch  # noqa: E402
-from ember.errors import AuthorizationError  # noqa: E402
+from ember.errors import AuthorizationError, EmberError  # noqa: E402
 from ember.pool import LeaseLost, LeaseTimeout  # noqa: E402
 
 TIMES: dict[str, float] = {}  # measured here, printed at the end (test_pool.py shows them)
@@ -89,6 +89,9 @@ def test_a_lease_the_cluster_cannot_place_times_out(cluster):
     assert wait_until(lambda: alive_actors() == 0, 30)
     assert all(v["state"] == "REMOVED" for v in placement_group_table().values())
     assert cluster.status()["leases"] == []
+    with pytest.raises(EmberError, match=r"torch:cuda:7\) could not start: .*not available"):  # no such device
+        cluster.lease("torch:cuda:7", num_cpus=1, wait=60)
+    assert wait_until(lambda: alive_actors() == 0, 30)
 
 
 @pytest.mark.timeout(120)

@@ -90,7 +90,10 @@ class Broker:
             except asyncio.TimeoutError:
                 return self._fail(h, "timeout", f"no room for {n} peer(s) on the cluster within {wait:g} s")
             except Exception as e:  # noqa: BLE001 - the actor failed to start (a bad device, ...)
-                return self._fail(h, "failed", f"the peer could not start: {type(e).__name__}: {str(e)[-600:]}")
+                return self._fail(h, "failed", f"the peer ({spec['device']}) could not start: {type(e).__name__}")
+            bad = [a["error"] for a in h.addresses if isinstance(a, dict)]
+            if bad:
+                return self._fail(h, "failed", f"the peer ({spec['device']}) could not start: {bad[0][:400]}")
         except BaseException:
             self._free(h)
             self.leases.pop(h.id, None)
