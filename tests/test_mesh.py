@@ -33,6 +33,8 @@ from test_core_cli import address_of as serve_address, spawn_serve  # noqa: E402
 ENV = {**os.environ, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
        "OMP_NUM_THREADS": "1"}
 REFERENCE = str(Path(__file__).parent / "ddp_reference.py")
+HOLD = 2.0  # (graph_hold: a loaded box may take more than the default 20 ms to record a step; tests that
+            # count replays hold a recurring group that long)
 
 
 def spawn_peer() -> subprocess.Popen:
@@ -87,7 +89,7 @@ def reference_params(procs: list[subprocess.Popen], out: Path) -> list[torch.Ten
 def test_data_parallel_is_bit_equal_to_torch_ddp_over_gloo(peers, tmp_path):
     steps = 5
     ref, out = reference(tmp_path, steps)
-    mesh = ember.torch.mesh(peers, timeout=20)
+    mesh = ember.torch.mesh(peers, timeout=20, graph_hold=HOLD)
     try:
         with mesh:
             model = DataParallel(make_mlp().to("ember"))
@@ -147,7 +149,7 @@ def test_torch_compile_on_a_mesh_is_bit_equal_to_torch_ddp(peers, tmp_path):
     from ember.torch import _compile
     steps = 5
     ref, out = reference(tmp_path, steps)
-    mesh = ember.torch.mesh(peers, timeout=20)
+    mesh = ember.torch.mesh(peers, timeout=20, graph_hold=HOLD)
     replays = _compile.stats["replays"]
     try:
         with mesh:
@@ -244,7 +246,7 @@ def test_a_poisoned_input_on_one_rank_still_joins_and_poisons_every_rank(peers):
 
 @pytest.mark.timeout(60)
 def test_a_poisoned_rank_in_a_replayed_step_still_joins_and_poisons_every_rank(peers):
-    mesh = ember.torch.mesh(peers, timeout=20)
+    mesh = ember.torch.mesh(peers, timeout=20, graph_hold=HOLD)
     try:
         with mesh:
             w = torch.arange(6.0, device="ember").reshape(3, 2)
