@@ -69,6 +69,7 @@ def test_leases_queue_while_the_cluster_is_full_and_leave_nothing(cluster):
     third.start()
     third.join(1.0)
     assert not got  # no room: queued
+    assert wait_until(lambda: [x["state"] for x in cluster.status()["leases"]].count("pending") == 1, 10)
     a.release()
     third.join(90)
     assert got, "the queued lease never started after a release"
@@ -80,8 +81,16 @@ def test_leases_queue_while_the_cluster_is_full_and_leave_nothing(cluster):
 
 @pytest.mark.timeout(60)
 def test_a_lease_the_cluster_cannot_place_times_out(cluster):
+    from ray.util import placement_group_table
     with pytest.raises(LeaseTimeout):
         cluster.lease(num_cpus=64, wait=2)
+    with pytest.raises(LeaseTimeout, match="mesh of 2"):  # one node: two peers on two nodes cannot be placed
+        cluster.lease_mesh(2, num_cpus=1, strategy="STRICT_SPREAD", wait=2)
+    assert wait_until(lambda: alive_actors() == 0, 30)
+    assert all(v["state"] == "REMOVED" for v in placement_group_table().values())
+    assert cluster.status()["leases"] == []
+    with pytest.raises(EmberError, match=r"torch:cuda:7\) could not start: .*not available"):  # no such device
+        cluster.lease("torch:cuda:7", num_cpus=1, wait=60)
     assert wait_until(lambda: alive_actors() == 0, 30)
 
 
@@ -96,14 +105,9 @@ def test_a_killed_peer_actor_surfaces_on_the_lease(cluster):
     with pytest.raises(LeaseLost, match=lease.address):
         lease.check()
 
-    def device_fails() -> bool:  # (Ray reports the actor dead a moment before its process has gone)
-        try:
-            with lease.device:
-                torch.ones(1, device="ember").sum().item()
-        except EmberError:
-            return True
-        return False
-    assert wait_until(device_fails, 30)
+    with pytest.raises(LeaseLost, match="actor died"):  # new work on the device: typed, no reconnecting
+        with lease.device:
+            torch.ones(1, device="ember").sum().item()
     lease.release()
 
 

@@ -33,6 +33,8 @@ from test_core_cli import address_of as serve_address, spawn_serve  # noqa: E402
 ENV = {**os.environ, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
        "OMP_NUM_THREADS": "1"}
 REFERENCE = str(Path(__file__).parent / "ddp_reference.py")
+HOLD = 2.0  # (graph_hold: a loaded box may take more than the default 20 ms to record a step; tests that
+            # count replays hold a recurring group that long)
 
 
 def spawn_peer() -> subprocess.Popen:
@@ -87,7 +89,7 @@ def reference_params(procs: list[subprocess.Popen], out: Path) -> list[torch.Ten
 def test_data_parallel_is_bit_equal_to_torch_ddp_over_gloo(peers, tmp_path):
     steps = 5
     ref, out = reference(tmp_path, steps)
-    mesh = ember.torch.mesh(peers, timeout=20)
+    mesh = ember.torch.mesh(peers, timeout=20, graph_hold=HOLD)
     try:
         with mesh:
             model = DataParallel(make_mlp().to("ember"))
@@ -147,7 +149,7 @@ def test_torch_compile_on_a_mesh_is_bit_equal_to_torch_ddp(peers, tmp_path):
     from ember.torch import _compile
     steps = 5
     ref, out = reference(tmp_path, steps)
-    mesh = ember.torch.mesh(peers, timeout=20)
+    mesh = ember.torch.mesh(peers, timeout=20, graph_hold=HOLD)
     replays = _compile.stats["replays"]
     try:
         with mesh:
@@ -244,7 +246,7 @@ def test_a_poisoned_input_on_one_rank_still_joins_and_poisons_every_rank(peers):
 
 @pytest.mark.timeout(60)
 def test_a_poisoned_rank_in_a_replayed_step_still_joins_and_poisons_every_rank(peers):
-    mesh = ember.torch.mesh(peers, timeout=20)
+    mesh = ember.torch.mesh(peers, timeout=20, graph_hold=HOLD)
     try:
         with mesh:
             w = torch.arange(6.0, device="ember").reshape(3, 2)
@@ -268,13 +270,38 @@ def test_a_poisoned_rank_in_a_replayed_step_still_joins_and_poisons_every_rank(p
         mesh.close()
 
 
-@pytest.mark.timeout(60)
-def test_what_a_collective_holds_is_charged_to_the_session_budget():
+def in_process_peers(**options) -> list[Server]:
     servers = []
-    for _ in range(2):  # two in-process peers with a 1 MiB session budget
-        s = Server(["torch:cpu"], collectives=True, dist_host="127.0.0.1", session_memory=1 << 20)
+    for _ in range(2):
+        s = Server(["torch:cpu"], collectives=True, dist_host="127.0.0.1", **options)
         s.listen_tcp("127.0.0.1", 0)
         servers.append(s)
+    return servers
+
+
+@pytest.mark.timeout(60)
+def test_every_peer_gets_the_same_batches_and_frees_the_same_tensors():
+    servers = in_process_peers()
+    try:
+        mesh = ember.torch.mesh([s.start_in_thread()[0] for s in servers], timeout=10)
+        with mesh:
+            keep = torch.ones(4, device="ember")
+            for i in range(40):  # own shards (one per peer), ops sent once to both, drops to both
+                t = (mesh.shard(torch.arange(8.0) + i) * 2).sum()
+                del t
+            mesh.sync()
+            held = [sorted(s.interp.tensors) for srv in servers for s in list(srv.live)]
+            assert len(held) == 2 and held[0] == held[1] and len(held[0]) <= 3, held
+            assert mesh.mean(keep).cpu().tolist() == [1.0] * 4
+        mesh.close()
+    finally:
+        for s in servers:
+            s.close()
+
+
+@pytest.mark.timeout(60)
+def test_what_a_collective_holds_is_charged_to_the_session_budget():
+    servers = in_process_peers(session_memory=1 << 20)  # a 1 MiB session budget
     try:
         mesh = ember.torch.mesh([s.start_in_thread()[0] for s in servers], timeout=10)
         with mesh:

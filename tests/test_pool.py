@@ -4,6 +4,7 @@ Ray binds and dials the machine's outward address (its GCS, raylet and runtime-e
 ``_node_ip_address`` for some of their sockets); tests may only talk over loopback. So the cases in
 ``pool_cases.py`` run in a fresh network namespace whose only interface is ``lo``, where Ray's own
 address detection finds 127.0.0.1. Skipped only where the optional extra ``ember[ray]`` is absent.
+The admission of a leased peer (its holder's iroh id only) needs no Ray and runs here directly.
 """
 
 from __future__ import annotations

@@ -34,16 +34,16 @@ def _connect(address: str | None) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pool import BROKER_NAME, broker
+    from ..pool import BROKER_NAME, get_broker
     ray = _connect(args.address)
     try:
         if args.pool_command == "serve":
-            b = broker(ray, detached=True)
+            b = get_broker(ray, detached=True)
             st = ray.get(b.status.remote(), timeout=120)
             print(f"ember pool: broker {BROKER_NAME!r} runs on the Ray cluster ({len(st['leases'])} leases); "
                   "`ember pool stop` ends it", flush=True)
             return 0
-        b = broker(ray, start=False)
+        b = get_broker(ray, start=False)
         if args.pool_command == "status":
             st = ray.get(b.status.remote(), timeout=30)
             if args.json:

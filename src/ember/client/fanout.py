@@ -24,6 +24,7 @@ class FanOut:
     """Fanning a session's batches out to follower sessions (a mixin of ClientSession, under its lock)."""
 
     _fan: "list[Any] | None" = None
+    _off = False  # inside :meth:`own`: batches go to this session's peer alone (drops wait for a fanned one)
     _own: list[int] = []  # indices of the pending batch's own messages (the leader's: set by fanout)
 
     def fanout(self, followers: list[Any]) -> None:
@@ -106,10 +107,10 @@ class FanOut:
         self: Any
         with self._lock:
             self._flush_locked()
-            fan, self._fan = self._fan, None
+            self._off = True
         try:
             yield
         finally:
             with self._lock:
                 self._flush_locked()
-                self._fan = fan
+                self._off = False

@@ -181,6 +181,8 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
         False while a long group goes out in batches (a release must follow every op recorded before it);
         ``fan``: queue it on the followers too (a mesh, :meth:`fanout`); ``take``: return the batch's frame
         instead of queueing it, when it is one frame (``client/exchange.py`` sends it itself)."""
+        if self._off:
+            fan = False
         if boundary:
             g = self._grp
             if g is None or g:

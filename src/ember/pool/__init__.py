@@ -21,7 +21,7 @@ import sys
 import types
 from typing import Any
 
-from ._pool import Lease, LeaseLost, LeaseTimeout, MeshLease, Pool, broker, pool
+from ._pool import Lease, LeaseLost, LeaseTimeout, MeshLease, Pool, get_broker, pool
 from .broker import BROKER_NAME
 
 
@@ -32,4 +32,4 @@ class _CallableModule(types.ModuleType):
 
 sys.modules[__name__].__class__ = _CallableModule
 
-__all__ = ["pool", "Pool", "Lease", "MeshLease", "LeaseLost", "LeaseTimeout", "broker", "BROKER_NAME"]
+__all__ = ["pool", "Pool", "Lease", "MeshLease", "LeaseLost", "LeaseTimeout", "get_broker", "BROKER_NAME"]

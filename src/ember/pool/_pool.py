@@ -26,7 +26,7 @@ def _ray() -> Any:
     return ray
 
 
-def broker(ray: Any, *, detached: bool = False, start: bool = True) -> Any:
+def get_broker(ray: Any, *, detached: bool = False, start: bool = True) -> Any:
     """The ``ember-pool`` broker actor: the running one, else (``start``) a new one -- ``detached``
     outlives this driver (``ember pool serve``), else it ends with it."""
     try:
@@ -39,6 +39,22 @@ def broker(ray: Any, *, detached: bool = False, start: bool = True) -> Any:
     return ray.remote(Broker).options(name=BROKER_NAME, namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
                                       lifetime="detached" if detached else None,
                                       max_concurrency=64).remote()
+
+
+class LeasedDevice(Device):
+    """A leased peer's device: once its lease has ended, new work raises :class:`LeaseLost` (the
+    peer is gone for good: no reconnecting to it)."""
+
+    lease: "Lease"
+
+    @property
+    def session(self) -> Any:  # type: ignore[override]
+        s = self._session
+        if s is not None and s.lost is None:
+            return s
+        if self.lease.lost is not None:
+            raise self.lease.lost
+        return Device.session.fget(self)  # type: ignore[attr-defined]
 
 
 class Lease:
@@ -57,6 +73,9 @@ class Lease:
         except BaseException:
             self.release()
             raise
+        for d in self.devices:
+            d.__class__ = LeasedDevice
+            d.lease = self  # type: ignore[attr-defined]
         self.device = self.devices[0]
 
     def _ended(self, fut: Any) -> None:
@@ -65,8 +84,13 @@ class Lease:
             why = fut.result()["why"]
         except Exception as e:  # noqa: BLE001 - the broker itself is gone
             why = f"the pool's broker is gone ({type(e).__name__})"
-        if not self.released:
-            self.lost = LeaseLost(f"the lease of {', '.join(self.addresses)} ended: {why}", hint="lease another peer")
+        if self.released:
+            return
+        self.lost = LeaseLost(f"the lease of {', '.join(self.addresses)} ended: {why}", hint="lease another peer")
+        for d in getattr(self, "devices", ()):
+            s = d._session
+            if s is not None:
+                s._fail_all(self.lost)  # work waiting on the peer fails now, not at the heartbeat's timeout
 
     def check(self, timeout: float = 10.0) -> None:
         """Raise :class:`LeaseLost` (why, naming the peer) if the lease ended without its holder."""
@@ -139,7 +163,7 @@ class Pool:
         ray = self.ray = _ray()
         if not ray.is_initialized():
             ray.init(address=address, **init)
-        self.broker = broker(ray)
+        self.broker = get_broker(ray)
         self.identity = identity
 
     def _grant(self, n: int, device: str, num_cpus: float, num_gpus: float, wait: float, idle: float,
@@ -193,4 +217,4 @@ def pool(address: str | None = None, **options: Any) -> Pool:
     return Pool(address, **options)
 
 
-__all__ = ["pool", "Pool", "Lease", "MeshLease", "LeaseLost", "LeaseTimeout", "broker"]
+__all__ = ["pool", "Pool", "Lease", "LeasedDevice", "MeshLease", "LeaseLost", "LeaseTimeout", "get_broker"]

@@ -10,7 +10,9 @@ A lease ends on release, when its peer ends itself (no session for ``idle`` seco
 silent) and when an actor dies (killed, its node lost): the broker waits on every peer's ``ended``
 call, so it learns of a death without polling, then kills the lease's other actors and removes its
 placement group. Ended leases are remembered (the last :data:`KEEP_ENDED`) so that the client's
-:meth:`~ember.pool.Lease.check` can say why.
+:meth:`~ember.pool.Lease.check` can say why; a holder keeps an :meth:`Broker.ended` call pending
+and so learns of the end at once. The broker owns its peers' actors: they share its fate (Ray
+ends an actor whose owner died), so a broker that dies or is stopped leaves no peer behind.
 """
 
 from __future__ import annotations
@@ -88,7 +90,10 @@ class Broker:
             except asyncio.TimeoutError:
                 return self._fail(h, "timeout", f"no room for {n} peer(s) on the cluster within {wait:g} s")
             except Exception as e:  # noqa: BLE001 - the actor failed to start (a bad device, ...)
-                return self._fail(h, "failed", f"the peer could not start: {type(e).__name__}: {str(e)[-600:]}")
+                return self._fail(h, "failed", f"the peer ({spec['device']}) could not start: {type(e).__name__}")
+            bad = [a["error"] for a in h.addresses if isinstance(a, dict)]
+            if bad:
+                return self._fail(h, "failed", f"the peer ({spec['device']}) could not start: {bad[0][:400]}")
         except BaseException:
             self._free(h)
             self.leases.pop(h.id, None)

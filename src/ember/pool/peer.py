@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
 
 
 class PeerActor:
@@ -24,14 +23,20 @@ class PeerActor:
         if not host:  # the address of this actor's node as Ray knows it (each peer of a mesh its own)
             import ray
             host = ray.util.get_node_ip_address()
+        from ..errors import EmberError
         auth = identity_authorizer(identity) if identity else token_authorizer((token or "").encode())
-        self.server = Server(devices, authorizer=auth, collectives=collectives, dist_host=host)
-        if identity:
-            self.server.listen_iroh(offline=offline, bind=[f"{host}:0"])
-        else:
-            self.server.listen_tcp(host, 0)
-        self.addresses = self.server.start_in_thread()
         self._end = threading.Event()
+        self.error = ""  # why the peer could not start (the broker tells the client)
+        try:
+            self.server = Server(devices, authorizer=auth, collectives=collectives, dist_host=host)
+            if identity:
+                self.server.listen_iroh(offline=offline, bind=[f"{host}:0"])
+            else:
+                self.server.listen_tcp(host, 0)
+            self.addresses = self.server.start_in_thread()
+        except (EmberError, ValueError, OSError, RuntimeError) as e:
+            self.error = f"{type(e).__name__}: {getattr(e, 'message', None) or e}"
+            return
         if idle > 0:
             threading.Thread(target=self._watch, args=(idle,), daemon=True).start()
 
@@ -46,8 +51,9 @@ class PeerActor:
                 time.sleep(1.0)  # the leaseholder went silent, the actor ends, Ray frees its resources
                 os._exit(0)
 
-    def address(self) -> str:
-        return self.addresses[0]
+    def address(self) -> str | dict[str, str]:
+        """The peer's address, or ``{"error": why}`` when it could not start."""
+        return {"error": self.error} if self.error else self.addresses[0]
 
     def ping(self) -> bool:
         return True

@@ -7,9 +7,11 @@
 ...     loss = F.cross_entropy(model(x), mesh.shard(y_cpu)); loss.backward()
 ...     print(mesh.mean(loss).item())
 
-A :class:`Mesh` is an Ember device whose session (:class:`MeshSession`) appends every message
-to each peer's session under the same ids: torch dispatch and meta inference run once, and each
-peer runs the same ops on its own data. Reads answer rank 0's value. Collectives
+A :class:`Mesh` is an Ember device whose session (:class:`MeshSession`) records every message once,
+in rank 0's session, which groups and encodes each batch once and queues the same frames on every
+other peer's session (``client/fanout.py``), under the same ids: torch dispatch, meta inference,
+op-graph capture and encoding run once, and each peer runs the same ops (the same replayed graphs)
+on its own data. Reads answer rank 0's value. Collectives
 (:meth:`Mesh.all_reduce`, ``broadcast``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``,
 ``barrier``) are ops the peers run among themselves with torch.distributed (peers serve
 ``--collectives``), in one process group per mesh (server/execute/collectives.py).
@@ -174,12 +176,16 @@ class MeshSession:
     def sync(self, timeout: float | None = None) -> None:
         self.request(m.SYNC, timeout=timeout)
 
-    def close(self) -> None:
+    def unfan(self) -> None:
+        """Send what waits to every peer, then stop fanning out (each session then closes on its own)."""
         try:
             self.leader.flush()
         except EmberError:
             pass
         self.leader._fan = None
+
+    def close(self) -> None:
+        self.unfan()
         for s in self.peers:
             s.close()
 
@@ -223,6 +229,7 @@ class Mesh(Device):
         except EmberError as e:
             raise MeshError(f"{ms.names[0]} cannot host the mesh's store: {e.message}",
                             hint="serve every mesh peer with `ember serve --device torch:... --collectives`") from None
+        first.record_own([m.DROP, [sid]])  # (the address only: the store lives on with the group)
         jid = next(ms.ids)
         ms.record_each([[_OP, "torch.dist.join", [], 0, [jid], {"g": self.group, "store": store, "rank": rank,
                                                                "size": self.size, "timeout": float(self.timeout),
@@ -323,6 +330,7 @@ class Mesh(Device):
                 s.record([_OP, "torch.dist.leave", [], 0, [], {"g": self.group}])
             except EmberError:
                 pass
+        s.unfan()
         for d in self.devices:
             d.close()
 
