@@ -62,6 +62,30 @@ def test_a_whole_pickled_model_saved_from_ember_loads_back_on_ember(tmp_path: Pa
     assert r.returncode == 0 and r.stdout.strip() == "cpu", r.stderr
 
 
+
+class _RNNModel(nn.Module):  # word_language_model's shape: embedding, LSTM, decoder tied to the embedding
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.rnn, self.decoder = nn.Embedding(10, 8), nn.LSTM(8, 8, 2), nn.Linear(8, 10)
+        self.decoder.weight = self.encoder.weight
+
+    def forward(self, x: Any) -> Any:
+        return self.decoder(self.rnn(self.encoder(x))[0])
+
+
+def test_a_whole_pickled_rnn_model_loads_back_on_ember(tmp_path: Path) -> None:
+    """RNN modules pickle through a __getstate__ of their own (word_language_model saves the whole model and
+    reloads it for its final evaluation): they come back on ember too, weights tied, output equal."""
+    torch.manual_seed(0)
+    model = _RNNModel().to("ember")
+    x = torch.randint(0, 10, (5, 3)).to("ember")
+    torch.save(model, tmp_path / "model.pt")
+    back = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert {p.device.type for p in back.parameters()} == {"ember"}
+    assert back.decoder.weight is back.encoder.weight
+    assert torch.equal(back(x).cpu(), model(x).cpu())
+
+
 SCRIPT = '''
 import argparse, torch
 p = argparse.ArgumentParser()
