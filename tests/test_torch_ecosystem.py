@@ -62,6 +62,30 @@ def test_a_whole_pickled_model_saved_from_ember_loads_back_on_ember(tmp_path: Pa
     assert r.returncode == 0 and r.stdout.strip() == "cpu", r.stderr
 
 
+
+class _RNNModel(nn.Module):  # word_language_model's shape: embedding, LSTM, decoder tied to the embedding
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.rnn, self.decoder = nn.Embedding(10, 8), nn.LSTM(8, 8, 2), nn.Linear(8, 10)
+        self.decoder.weight = self.encoder.weight
+
+    def forward(self, x: Any) -> Any:
+        return self.decoder(self.rnn(self.encoder(x))[0])
+
+
+def test_a_whole_pickled_rnn_model_loads_back_on_ember(tmp_path: Path) -> None:
+    """RNN modules pickle through a __getstate__ of their own (word_language_model saves the whole model and
+    reloads it for its final evaluation): they come back on ember too, weights tied, output equal."""
+    torch.manual_seed(0)
+    model = _RNNModel().to("ember")
+    x = torch.randint(0, 10, (5, 3)).to("ember")
+    torch.save(model, tmp_path / "model.pt")
+    back = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert {p.device.type for p in back.parameters()} == {"ember"}
+    assert back.decoder.weight is back.encoder.weight
+    assert torch.equal(back(x).cpu(), model(x).cpu())
+
+
 SCRIPT = '''
 import argparse, torch
 p = argparse.ArgumentParser()
@@ -163,3 +187,49 @@ def test_ember_serve_serves_websocket_before_iroh_waits_for_its_relays(tmp_path:
     finally:
         p.terminate()
         p.wait(30)
+
+
+def test_the_embedded_session_is_never_declared_gone_by_the_heartbeat() -> None:
+    """An in-process peer cannot vanish: a stalled I/O loop (a loaded box) is no loss, whatever the heartbeat
+    settings (a remote peer's session with these settings is declared lost)."""
+    import time
+
+    from ember.client.io import get_loop
+    dev = ember.connect("local:torch", heartbeat_interval=0.05, heartbeat_timeout=0.2)
+    try:
+        with dev:
+            x = torch.arange(4.0, device="ember")
+            assert (x + 1).tolist() == [1.0, 2.0, 3.0, 4.0]
+            get_loop().call_soon_threadsafe(time.sleep, 1.0)  # the loop stalls 5x the heartbeat timeout
+            assert (x * 2).tolist() == [0.0, 2.0, 4.0, 6.0] and dev.session.lost is None
+    finally:
+        dev.close()
+
+
+_FORK_SCRIPT = r"""
+import os, torch, ember.torch
+from ember.errors import SessionLost
+x = torch.arange(4.0, device="ember")
+assert (x + 1).tolist() == [1.0, 2.0, 3.0, 4.0]
+pid = os.fork()
+if pid == 0:
+    try:
+        (x * 2).tolist()
+        os._exit(3)
+    except SessionLost as e:
+        ok = "forked" in str(e)
+    os._exit(0 if ok and torch.ones(2, device="ember").tolist() == [1.0, 1.0] else 4)
+_, status = os.waitpid(pid, 0)
+assert (x + 1).tolist() == [1.0, 2.0, 3.0, 4.0]
+print("CHILD", os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_gets_a_typed_error_for_its_parent_s_embedded_session() -> None:
+    """A child forked from a process using the embedded peer once waited forever on the parent's session; it
+    gets ``SessionLost`` saying why, new work in it starts its own embedded peer, and the parent carries on."""
+    import os
+    r = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True, timeout=100,
+                       env={**os.environ, "EMBER_OFFLINE": "1"})
+    assert r.returncode == 0 and "CHILD 0" in r.stdout, r.stdout + r.stderr[-2000:]

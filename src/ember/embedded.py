@@ -10,6 +10,7 @@ the peer with the client's embedded-peer seam when ``ember`` is imported.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -51,6 +52,17 @@ def _stop_workers(timeout: float = 10.0) -> None:
         sess.stop()
     for sess in sessions:
         sess.worker.join(max(0.0, deadline - time.monotonic()))
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts its own embedded peers: the parent's threads did not come along."""
+    global _lock
+    _lock = threading.Lock()
+    _servers.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _handler(address: str) -> SessionHandler:

@@ -39,6 +39,8 @@ class Device:
         self._timeout = timeout
         self._read_timeout = read_timeout
         self._options = dict(session_options or {})
+        if is_embedded(address):  # an in-process peer cannot vanish: a stalled loop (a loaded box) is no loss
+            self._options["heartbeat_timeout"] = float("inf")
         # data_frames=False: offer no data frames (MessagePack chunks only; benchmarks compare the two)
         data_frames = self._options.pop("data_frames", True)
         # lanes=N: stripe large uploads and reads over N more streams (protocol.lanes); default over iroh

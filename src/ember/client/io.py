@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import os
 import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Coroutine, TypeVar
@@ -77,3 +78,25 @@ def _shutdown() -> None:
 
 
 atexit.register(_shutdown)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has no I/O thread, and its parent's sessions are not its own (their streams, and an embedded
+    peer's threads, stay with the parent): each of them is lost here, with the reason, so using one raises
+    ``SessionLost`` instead of waiting forever; new work connects afresh from the child."""
+    global _lock, _loop, _thread
+    _lock, _loop, _thread = threading.Lock(), None, None
+    from ..errors import SessionLost
+    from . import session
+    err = SessionLost("this process was forked from the one that opened this session; a session (and an embedded "
+                      "peer) belongs to the process that made it",
+                      hint="in the child, make new tensors (new work connects afresh), or start child processes "
+                           "with the 'spawn' method and move data as CPU tensors")
+    for s in list(session._sessions):
+        if s.lost is None:
+            s.lost = err
+    session._sessions.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

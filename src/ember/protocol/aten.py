@@ -103,7 +103,8 @@ def refusal(name: str, arg_types: list[tuple[str, str]], return_types: list[str]
     """
     op = name.split(".")[1]
     if "sparse" in op:
-        return f"ATen op {name} makes or takes sparse tensors, which Ember peers do not hold (ember tensors are strided)"
+        return (f"ATen op {name} makes or takes sparse tensors, which Ember peers do not hold "
+                "(ember tensors are strided)")
     if DENY.search(op):
         return f"ATen op {name} is refused on Ember peers (files, raw memory or unchecked access)"
     for arg, t in arg_types:

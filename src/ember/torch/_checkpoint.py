@@ -71,12 +71,15 @@ def install() -> None:
     torch.load = _load  # type: ignore[assignment]
     getstate, setstate = torch.nn.Module.__getstate__, torch.nn.Module.__setstate__
 
-    def __getstate__(self: torch.nn.Module) -> Any:
-        state = getstate(self)
-        tensors = [*self._parameters.values(), *self._buffers.values()]
-        if isinstance(state, dict) and any(t is not None and t.device.type == "ember" for t in tensors):
-            state = {**state, _ON_EMBER: True}
-        return state
+    def marked(get: Any) -> Any:
+        @functools.wraps(get)
+        def __getstate__(self: torch.nn.Module) -> Any:
+            state = get(self)
+            tensors = [*self._parameters.values(), *self._buffers.values()]
+            if isinstance(state, dict) and any(t is not None and t.device.type == "ember" for t in tensors):
+                state = {**state, _ON_EMBER: True}
+            return state
+        return __getstate__
 
     def __setstate__(self: torch.nn.Module, state: Any) -> None:
         setstate(self, state)
@@ -84,7 +87,9 @@ def install() -> None:
             self._apply(lambda t: t.to("ember"), recurse=False)
 
     __setstate__._ember = True  # type: ignore[attr-defined]
-    torch.nn.Module.__getstate__, torch.nn.Module.__setstate__ = __getstate__, __setstate__  # type: ignore
+    torch.nn.Module.__getstate__, torch.nn.Module.__setstate__ = marked(getstate), __setstate__  # type: ignore
+    # modules with a __getstate__ of their own that does not call Module's (RNNs: their weights' references)
+    torch.nn.RNNBase.__getstate__ = marked(torch.nn.RNNBase.__getstate__)  # type: ignore[method-assign]
 
 
 __all__ = ["install"]

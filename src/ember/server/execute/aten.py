@@ -151,6 +151,7 @@ class AtenKernel:
         self.draw = rng.runner(op) if self.seeded else None
         #: operands whose values or sizes the CPU kernel trusts as memory positions: checked before it runs
         self.check = positions.checker(op)
+        self.unsafe_ok = self.check is not None and name.split(".")[1] in positions.UNSAFE_CHECKED
         #: elementwise, no random stream, no resize: on small operands, cheap enough for the network loop
         self.pointwise = torch.Tag.pointwise in op.tags and not self.seeded and not self.resize
 
@@ -253,7 +254,8 @@ class AtenKernel:
             elif cat == A.LITERAL:
                 if not _literal_ok(rtype, e):
                     raise ValueError(f"argument {name} of {self.name} must be {rtype}, got {str(e)[:60]}")
-                v = False if name == "unsafe" else e  # bounds checks are never skipped on a peer
+                # bounds checks are never skipped on a peer (unless positions.py makes the same ones)
+                v = e if name != "unsafe" or self.unsafe_ok else False
             elif cat == A.STRING:
                 if not (e is None and rtype.startswith("Optional") or type(e) is str and len(e) <= 256):
                     raise ValueError(f"argument {name} of {self.name} must be {rtype}")
