@@ -139,3 +139,13 @@ def test_gradients_equal_local_cpu(name: str) -> None:
         GRADS[name](x).backward()
         grads.append(x.grad)
     check(grads[0], grads[1])
+
+
+def test_equal_scalars_of_other_types_never_share_a_cached_plan() -> None:
+    """6, 6.0 and True hash alike: the client's plan cache keyed a by-value scalar by its value alone, so
+    ``arange(6)`` after ``arange(6.0)`` came back float32 (HF's ``cache_position`` did) — silently wrong."""
+    for make in (lambda v, d: torch.arange(v, device=d), lambda v, d: torch.full((2,), v, device=d),
+                 lambda v, d: torch.ones(3, dtype=torch.int64, device=d) * v):
+        for v in (6.0, 6, True, 1, 1.0):
+            want, got = make(v, "cpu"), make(v, "ember")
+            assert got.dtype == want.dtype and torch.equal(got.cpu(), want), (v, got.dtype, want.dtype)

@@ -61,7 +61,7 @@ def _walk(i: OpInfo, values: list[Any]) -> tuple[list[Any], list[torch.Tensor], 
             else:
                 template.append(1)
                 scalars.append(_wire_scalar(v))
-                key.append(v if i.by_value else type(v))
+                key.append((type(v), v) if i.by_value else type(v))  # (6, 6.0 and True hash alike)
         elif cat == A.SCALAR_LIST:
             if v is None:
                 template.append(None)
@@ -69,13 +69,13 @@ def _walk(i: OpInfo, values: list[Any]) -> tuple[list[Any], list[torch.Tensor], 
             else:
                 template.append(len(v))
                 scalars.extend(_wire_scalar(x) for x in v)
-                key.append(tuple(v) if i.by_value else tuple(type(x) for x in v))
+                key.append(tuple((type(x), x) for x in v) if i.by_value else tuple(type(x) for x in v))
         elif cat == A.LITERAL:
             if isinstance(v, (list, tuple, torch.Size)):
                 v = [int(x) for x in v] if not (v and type(v[0]) is bool) else list(v)
                 key.append(tuple(v))
             else:
-                key.append(v)
+                key.append((type(v), v))
             template.append(v)
         elif cat == A.STRING:
             template.append(v)
