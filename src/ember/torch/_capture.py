@@ -51,7 +51,7 @@ from ..protocol import codec
 from ..protocol import messages as m
 from . import _dispatch as D
 from ._devices import apply_seed, current_device, materialize
-from ._storage import StorageRef, new_tensor
+from ._storage import StorageRef, fresh_tensor, new_tensor
 
 TRIES = 4  # recordings in a row without a replayable pair before a step runs eagerly for good
 #: steps recorded, calls replayed, calls run eagerly (given up), graphs made
@@ -329,13 +329,7 @@ class _Plan:
                 continue
             dtype, size, stride, off = x[2:]
             if kind == "f":
-                sid = new[x[1]]
-                st = storages.get(sid)
-                if st is None:
-                    t = new_tensor(dtype, size, stride, off, ref=StorageRef(sid, s, device))
-                    storages[sid] = t.untyped_storage()
-                else:
-                    t = new_tensor(dtype, size, stride, off, storage=st)
+                t = fresh_tensor(storages, new[x[1]], s, device, dtype, size, stride, off)
             elif kind == "a":
                 t = new_tensor(dtype, size, stride, off, storage=args[x[1]].untyped_storage())
             else:

@@ -27,7 +27,7 @@ from ..client.graph import canon
 from ..protocol import messages as m
 from ._capture import recording
 from ._devices import apply_seed, materialize
-from ._storage import StorageRef, live_session, new_tensor
+from ._storage import StorageRef, fresh_tensor, live_session, new_tensor
 
 _OP = m.OP
 TRIES = 3  # captures per layout before a graph runs eagerly for good
@@ -198,13 +198,7 @@ class Replayer:
                 continue
             dtype, size, stride, offset, grad = o[2:]
             if o[0] == "fresh":
-                sid = new[o[1]]
-                st = storages.get(sid)
-                if st is None:
-                    x = new_tensor(dtype, size, stride, offset, ref=StorageRef(sid, session, device))
-                    storages[sid] = x.untyped_storage()
-                else:
-                    x = new_tensor(dtype, size, stride, offset, storage=st)
+                x = fresh_tensor(storages, new[o[1]], session, device, dtype, size, stride, offset)
             elif o[0] == "input":
                 x = new_tensor(dtype, size, stride, offset, storage=inputs[o[1]].untyped_storage())
             else:

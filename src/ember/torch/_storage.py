@@ -91,3 +91,14 @@ def dtype_name(dt: torch.dtype) -> str:
 
 
 __all__ = ["StorageRef", "ref_of", "live_session", "set_layout", "new_tensor", "layout_of", "dtype_name"]
+
+
+def fresh_tensor(storages: dict[int, Any], sid: int, session: Any, device: int, dtype: Any, size: Any, stride: Any,
+                 offset: int) -> torch.Tensor:
+    """A replay's output on the new storage ``sid`` (one storage per id: ``storages`` remembers them)."""
+    st = storages.get(sid)
+    if st is None:
+        t = new_tensor(dtype, size, stride, offset, ref=StorageRef(sid, session, device))
+        storages[sid] = t.untyped_storage()
+        return t
+    return new_tensor(dtype, size, stride, offset, storage=st)
