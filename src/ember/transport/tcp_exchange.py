@@ -59,6 +59,7 @@ class CalmLink:
         self._fut: asyncio.Future | None = None
         self._reading = False   # a reader is registered for ``_fut``
         self.exchanges = self.handbacks = 0
+        self._polls: dict[int, Any] = {}
         self._hup: Any = None  # an epoll set holding the socket for hang-ups only (see the docstring)
         self._hup_watched = False
         try:
@@ -242,9 +243,12 @@ class CalmLink:
             pass
 
     def _poll(self, event: int, deadline: float) -> bool:
+        """Wait until the socket is readable (``POLLIN``) or writable, at most until ``deadline``."""
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        p = select.poll()
-        p.register(self.fd, event)
+        p = self._polls.get(event)
+        if p is None:  # (one poll object per event, reused: only the gate's holder polls)
+            p = self._polls[event] = select.poll()
+            p.register(self.fd, event)
         return bool(p.poll(left * 1000))
