@@ -159,6 +159,19 @@ def test_round_trips_interleave_with_pipelined_work_and_bulk_data(peer):
 
 
 @pytest.mark.timeout(60)
+def test_a_read_after_a_large_upload_still_takes_the_caller_s_thread(peer):
+    d, _ = peer
+    big = np.arange(200_000, dtype=np.float64)  # data frames, sent by the loop's sender
+    before = _exchanges(d)
+    for i in range(10):
+        x = xp.asarray(big + i, device=d)
+        assert float(xp.sum(x)) == float(big.sum() + i * big.size)
+    if d.address.startswith("tcp://"):  # an upload awaits no answer: the link calms again at once
+        assert _exchanges(d) - before >= 8
+    # (the embedded peer runs a read on the caller's thread only once its worker has stored the upload)
+
+
+@pytest.mark.timeout(60)
 def test_errors_come_back_typed_and_the_session_goes_on(peer):
     d, direct = peer
     x = xp.asarray(np.ones(3), device=d)

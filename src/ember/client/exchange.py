@@ -34,9 +34,11 @@ class Exchanging:
         s: Any = self
         #: memory link: ``direct(frame) -> answers | None``
         self._direct = getattr(conn, "direct", None)
-        #: TCP: the connection's ``CalmLink`` (``transport.tcp_exchange``)
-        self._calm = getattr(conn, "calm", None)
+        #: TCP: the connection's ``CalmLink`` (``transport.tcp_exchange``); not with lanes (their reads stripe)
+        self._calm = getattr(conn, "calm", None) if not s.lanes_wanted else None
         self._exchanges = (self._direct is not None or self._calm is not None) and not s.lanes_wanted
+        if self._calm is not None:
+            self._calm.awaited = self._awaited
         s.stats["exchanges"] = 0  # round trips answered on the caller's thread
 
     def _exchange(self, msg: list[Any], req: int, timeout: float) -> None:
@@ -84,15 +86,19 @@ class Exchanging:
         except BaseException as e:  # noqa: BLE001 - as the receiver: the session ends with its reason
             s._frame_failed(e)
 
+    def _awaited(self) -> bool:
+        """Does any request wait for an answer (an upload's waiter, keyed ``-id``, gets none), or a ping?"""
+        s: Any = self
+        return s._pinged > s._last_recv or any(k > 0 for k in list(s._waiters))
+
     def _reader_wanted(self) -> None:
         """On the loop, before the sender sends: an answer will be awaited the ordinary way (or a
         heartbeat's), so the loop's reader must read."""
-        s: Any = self
-        if self._calm is not None and (s._waiters or s._pinged > s._last_recv):
+        if self._calm is not None and self._awaited():
             self._calm.unpark()
 
     def _reader_idle(self) -> None:
-        """On the loop, after the receiver handled a frame: park the reader when nothing is awaited."""
-        s: Any = self
-        if self._calm is not None and not s._waiters and s._pinged <= s._last_recv:
+        """On the loop, after the receiver handled a frame or the sender an upload: park the reader
+        when nothing is awaited."""
+        if self._calm is not None and not self._awaited():
             self._calm.park()

@@ -323,6 +323,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, Exchanging):
                     frame = frames.popleft()
                     if type(frame) is Upload:
                         await self._send_upload(frame)
+                        self._reader_idle()
                         continue
                     if type(frame) is StripedUpload:
                         await self._send_striped(frame)

@@ -60,6 +60,8 @@ class CalmLink:
         self._reading = False   # a reader is registered for ``_fut``
         self.exchanges = self.handbacks = 0
         self._polls: dict[int, Any] = {}
+        #: Set by the connection's user: does anything await an answer the loop must read? (``settle``)
+        self.awaited: Callable[[], bool] | None = None
         self._hup: Any = None  # an epoll set holding the socket for hang-ups only (see the docstring)
         self._hup_watched = False
         try:
@@ -107,6 +109,18 @@ class CalmLink:
                     self._hup_watched = True
         finally:
             self.gate.release()
+
+    def settle(self) -> None:
+        """On the loop, after a caller asked for the reader (a hand-back, or the loop wanted it while
+        the caller held the gate): read again, unless nothing is awaited any more (the caller read the
+        heartbeat's answer itself, say): then the link stays parked."""
+        awaited = self.awaited
+        if awaited is not None and self.parked and not awaited():
+            if self.gate.acquire(False):
+                self.unpark_wanted = False
+                self.gate.release()
+                return
+        self.unpark()
 
     def _hung_up(self) -> None:
         """On the loop, while parked: the peer closed or broke the connection; read what is left."""
@@ -229,7 +243,7 @@ class CalmLink:
             self.gate.release()
             if self.unpark_wanted:
                 try:
-                    self.loop.call_soon_threadsafe(self.unpark)
+                    self.loop.call_soon_threadsafe(self.settle)
                 except RuntimeError:  # the loop is gone
                     pass
 
@@ -238,7 +252,7 @@ class CalmLink:
         self.unpark_wanted = True
         self.gate.release()
         try:
-            self.loop.call_soon_threadsafe(self.unpark)
+            self.loop.call_soon_threadsafe(self.settle)
         except RuntimeError:
             pass
 
