@@ -62,7 +62,10 @@ class Exchanging:
                 return  # queued the ordinary way
             if calm is None:
                 # under the lock: nothing recorded after it can reach the peer before it runs
-                answers = self._direct(frame)
+                try:
+                    answers = self._direct(frame)
+                except Exception:  # noqa: BLE001 - never lose the frame: the ordinary way reports any fault
+                    answers = None
                 if answers is None:
                     s._frames.append(frame)
                     s.loop.call_soon_threadsafe(s._kick)
