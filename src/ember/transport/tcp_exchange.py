@@ -115,7 +115,7 @@ class CalmLink:
         the caller held the gate): read again, unless nothing is awaited any more (the caller read the
         heartbeat's answer itself, say): then the link stays parked."""
         awaited = self.awaited
-        if awaited is not None and self.parked and not awaited():
+        if awaited is not None and self.parked and not self.conn._closed and not awaited():
             if self.gate.acquire(False):
                 self.unpark_wanted = False
                 self.gate.release()
