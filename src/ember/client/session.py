@@ -406,6 +406,8 @@ class ClientSession(BulkData, LaneData, GroupHolding, Exchanging):
                 w.value = payload
             else:
                 w.error = from_wire(payload)
+            if self._calm is not None:
+                self._reader_idle_here()  # (before the caller runs on: its next round trip finds the link calm)
             w.set()
 
     def _frame_failed(self, e: BaseException) -> None:

@@ -52,6 +52,7 @@ class CalmLink:
         self.conn, self.sock, self.fd = conn, sock, sock.fileno()
         self.small = small  # frames from this size are the loop's (read into their own buffers)
         self.loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self.gate = threading.Lock()
         self.parked = False
         self.unpark_wanted = False
@@ -72,6 +73,10 @@ class CalmLink:
             pass
 
     # ---- the loop's side ------------------------------------------------------------------
+    def on_loop(self) -> bool:
+        """Is this the loop's thread?"""
+        return threading.get_ident() == self._loop_thread
+
     async def idle(self) -> None:
         """On the read task, at a frame boundary with nothing staged: return once the socket is
         readable and the reader is not parked."""
@@ -99,16 +104,20 @@ class CalmLink:
         if self.parked or not self.gate.acquire(False):
             return  # (a held gate means parked already)
         try:
-            if not self.unpark_wanted:
-                self.parked = True
-                if self._reading:
-                    self.loop.remove_reader(self.fd)
-                    self._reading = False
-                if self._hup is not None and not self._hup_watched:
-                    self.loop.add_reader(self._hup.fileno(), self._hung_up)
-                    self._hup_watched = True
+            if self.unpark_wanted:
+                return
+            self.parked = True
         finally:
             self.gate.release()
+        # the registrations change outside the gate (system calls, the GIL let go: a caller must not
+        # find the gate held then); a reader left for a moment only wakes the read task, which reads
+        # nothing while parked
+        if self._reading:
+            self.loop.remove_reader(self.fd)
+            self._reading = False
+        if self._hup is not None and not self._hup_watched:
+            self.loop.add_reader(self._hup.fileno(), self._hung_up)
+            self._hup_watched = True
 
     def settle(self) -> None:
         """On the loop, after a caller asked for the reader (a hand-back, or the loop wanted it while
@@ -196,10 +205,12 @@ class CalmLink:
             c._broken = f"connection to {c.remote} broke: {e}"
             raise ConnectionError(c._broken) from None
 
-    def finish(self, on_frame: Callable[[bytes], None], done: Callable[[], bool], timeout: float) -> bool:
+    def finish(self, on_frame: Callable[[bytes], None], done: Callable[[], bool], timeout: float,
+               handing_back: Callable[[], None] | None = None) -> bool:
         """Read frames for ``on_frame`` until ``done()`` (True), or hand the connection back to the
-        loop (False: the caller waits the ordinary way). Always gives the gate back. Raises
-        ``ConnectionError`` when the link breaks or ends, and what ``on_frame`` raises."""
+        loop (False: the caller waits the ordinary way; ``handing_back()`` is called first, while the
+        gate is held). Always gives the gate back. Raises ``ConnectionError`` when the link breaks
+        or ends, and what ``on_frame`` raises."""
         c = self.conn
         deadline = time.monotonic() + min(timeout, PATIENCE)
         back = True
@@ -240,6 +251,8 @@ class CalmLink:
             if back:
                 self.handbacks += 1
                 self.unpark_wanted = True
+                if handing_back is not None:
+                    handing_back()
             self.gate.release()
             if self.unpark_wanted:
                 try:
