@@ -34,10 +34,14 @@ class Exchanging:
         s: Any = self
         #: memory link: ``direct(frame) -> answers | None``
         self._direct = getattr(conn, "direct", None)
-        #: TCP: the connection's ``CalmLink`` (``transport.tcp_exchange``)
-        self._calm = getattr(conn, "calm", None)
+        #: TCP: the connection's ``CalmLink`` (``transport.tcp_exchange``); not with lanes (their reads stripe)
+        self._calm = getattr(conn, "calm", None) if not s.lanes_wanted else None
         self._exchanges = (self._direct is not None or self._calm is not None) and not s.lanes_wanted
+        if self._calm is not None:
+            self._calm.awaited = self._awaited
         s.stats["exchanges"] = 0  # round trips answered on the caller's thread
+        #: requests a caller's thread is reading the answer of: the loop need not read for them
+        self._exchanging: set[int] = set()
 
     def _exchange(self, msg: list[Any], req: int, timeout: float) -> None:
         """Send the request ``msg`` (its waiter registered under ``req``) after everything pending,
@@ -60,15 +64,20 @@ class Exchanging:
                 return  # queued the ordinary way
             if calm is None:
                 # under the lock: nothing recorded after it can reach the peer before it runs
-                answers = self._direct(frame)
+                try:
+                    answers = self._direct(frame)
+                except Exception:  # noqa: BLE001 - never lose the frame: the ordinary way reports any fault
+                    answers = None
                 if answers is None:
                     s._frames.append(frame)
                     s.loop.call_soon_threadsafe(s._kick)
                     return
             else:
+                self._exchanging.add(req)
                 try:
                     calm.write(frame)  # in order: the sender is idle and we hold its lock
                 except BaseException as e:  # noqa: BLE001 - broken: the session ends, typed
+                    self._exchanging.discard(req)
                     calm.release()
                     s._frame_failed(e)
                     return
@@ -78,21 +87,38 @@ class Exchanging:
                 for f in answers:
                     s._on_frame(f)
             else:
-                waiters = s._waiters
-                if calm.finish(s._on_frame, lambda: req not in waiters, timeout):
-                    s.stats["exchanges"] += 1
+                waiters, mine = s._waiters, self._exchanging
+                try:
+                    if calm.finish(s._on_frame, lambda: req not in waiters, timeout, lambda: mine.discard(req)):
+                        s.stats["exchanges"] += 1
+                finally:
+                    mine.discard(req)
         except BaseException as e:  # noqa: BLE001 - as the receiver: the session ends with its reason
             s._frame_failed(e)
+
+    def _awaited(self) -> bool:
+        """Does any request wait for an answer the loop must read (not an upload's waiter, keyed ``-id``:
+        it gets none; not one a caller's thread is reading: ``_exchanging``), or a ping's?"""
+        s: Any = self
+        mine = self._exchanging
+        return s._pinged > s._last_recv or any(k > 0 and k not in mine for k in list(s._waiters))
 
     def _reader_wanted(self) -> None:
         """On the loop, before the sender sends: an answer will be awaited the ordinary way (or a
         heartbeat's), so the loop's reader must read."""
-        s: Any = self
-        if self._calm is not None and (s._waiters or s._pinged > s._last_recv):
+        if self._calm is not None and self._awaited():
             self._calm.unpark()
 
+    def _reader_idle_here(self) -> None:
+        """On the loop (and only there), before a waiter is woken: park now if that was the last answer
+        awaited. Parking after the wake races the woken caller's next round trip, which would find the
+        reader still up and take the ordinary way, again and again."""
+        calm = self._calm
+        if calm is not None and calm.on_loop() and not self._awaited():
+            calm.park()
+
     def _reader_idle(self) -> None:
-        """On the loop, after the receiver handled a frame: park the reader when nothing is awaited."""
-        s: Any = self
-        if self._calm is not None and not s._waiters and s._pinged <= s._last_recv:
+        """On the loop, after the receiver handled a frame or the sender an upload: park the reader
+        when nothing is awaited."""
+        if self._calm is not None and not self._awaited():
             self._calm.park()

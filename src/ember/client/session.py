@@ -355,6 +355,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
                     frame = frames.popleft()
                     if type(frame) is Upload:
                         await self._send_upload(frame)
+                        self._reader_idle()
                         continue
                     if type(frame) is StripedUpload:
                         await self._send_striped(frame)
@@ -437,6 +438,8 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
                 w.value = payload
             else:
                 w.error = from_wire(payload)
+            if self._calm is not None:
+                self._reader_idle_here()  # (before the caller runs on: its next round trip finds the link calm)
             w.set()
 
     def _frame_failed(self, e: BaseException) -> None:

@@ -52,6 +52,7 @@ class CalmLink:
         self.conn, self.sock, self.fd = conn, sock, sock.fileno()
         self.small = small  # frames from this size are the loop's (read into their own buffers)
         self.loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self.gate = threading.Lock()
         self.parked = False
         self.unpark_wanted = False
@@ -59,6 +60,9 @@ class CalmLink:
         self._fut: asyncio.Future | None = None
         self._reading = False   # a reader is registered for ``_fut``
         self.exchanges = self.handbacks = 0
+        self._polls: dict[int, Any] = {}
+        #: Set by the connection's user: does anything await an answer the loop must read? (``settle``)
+        self.awaited: Callable[[], bool] | None = None
         self._hup: Any = None  # an epoll set holding the socket for hang-ups only (see the docstring)
         self._hup_watched = False
         try:
@@ -69,6 +73,10 @@ class CalmLink:
             pass
 
     # ---- the loop's side ------------------------------------------------------------------
+    def on_loop(self) -> bool:
+        """Is this the loop's thread?"""
+        return threading.get_ident() == self._loop_thread
+
     async def idle(self) -> None:
         """On the read task, at a frame boundary with nothing staged: return once the socket is
         readable and the reader is not parked."""
@@ -96,16 +104,32 @@ class CalmLink:
         if self.parked or not self.gate.acquire(False):
             return  # (a held gate means parked already)
         try:
-            if not self.unpark_wanted:
-                self.parked = True
-                if self._reading:
-                    self.loop.remove_reader(self.fd)
-                    self._reading = False
-                if self._hup is not None and not self._hup_watched:
-                    self.loop.add_reader(self._hup.fileno(), self._hung_up)
-                    self._hup_watched = True
+            if self.unpark_wanted:
+                return
+            self.parked = True
         finally:
             self.gate.release()
+        # the registrations change outside the gate (system calls, the GIL let go: a caller must not
+        # find the gate held then); a reader left for a moment only wakes the read task, which reads
+        # nothing while parked
+        if self._reading:
+            self.loop.remove_reader(self.fd)
+            self._reading = False
+        if self._hup is not None and not self._hup_watched:
+            self.loop.add_reader(self._hup.fileno(), self._hung_up)
+            self._hup_watched = True
+
+    def settle(self) -> None:
+        """On the loop, after a caller asked for the reader (a hand-back, or the loop wanted it while
+        the caller held the gate): read again, unless nothing is awaited any more (the caller read the
+        heartbeat's answer itself, say): then the link stays parked."""
+        awaited = self.awaited
+        if awaited is not None and self.parked and not self.conn._closed and not awaited():
+            if self.gate.acquire(False):
+                self.unpark_wanted = False
+                self.gate.release()
+                return
+        self.unpark()
 
     def _hung_up(self) -> None:
         """On the loop, while parked: the peer closed or broke the connection; read what is left."""
@@ -181,10 +205,12 @@ class CalmLink:
             c._broken = f"connection to {c.remote} broke: {e}"
             raise ConnectionError(c._broken) from None
 
-    def finish(self, on_frame: Callable[[bytes], None], done: Callable[[], bool], timeout: float) -> bool:
+    def finish(self, on_frame: Callable[[bytes], None], done: Callable[[], bool], timeout: float,
+               handing_back: Callable[[], None] | None = None) -> bool:
         """Read frames for ``on_frame`` until ``done()`` (True), or hand the connection back to the
-        loop (False: the caller waits the ordinary way). Always gives the gate back. Raises
-        ``ConnectionError`` when the link breaks or ends, and what ``on_frame`` raises."""
+        loop (False: the caller waits the ordinary way; ``handing_back()`` is called first, while the
+        gate is held). Always gives the gate back. Raises ``ConnectionError`` when the link breaks
+        or ends, and what ``on_frame`` raises."""
         c = self.conn
         deadline = time.monotonic() + min(timeout, PATIENCE)
         back = True
@@ -225,10 +251,12 @@ class CalmLink:
             if back:
                 self.handbacks += 1
                 self.unpark_wanted = True
+                if handing_back is not None:
+                    handing_back()
             self.gate.release()
             if self.unpark_wanted:
                 try:
-                    self.loop.call_soon_threadsafe(self.unpark)
+                    self.loop.call_soon_threadsafe(self.settle)
                 except RuntimeError:  # the loop is gone
                     pass
 
@@ -237,14 +265,17 @@ class CalmLink:
         self.unpark_wanted = True
         self.gate.release()
         try:
-            self.loop.call_soon_threadsafe(self.unpark)
+            self.loop.call_soon_threadsafe(self.settle)
         except RuntimeError:
             pass
 
     def _poll(self, event: int, deadline: float) -> bool:
+        """Wait until the socket is readable (``POLLIN``) or writable, at most until ``deadline``."""
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        p = select.poll()
-        p.register(self.fd, event)
+        p = self._polls.get(event)
+        if p is None:  # (one poll object per event, reused: only the gate's holder polls)
+            p = self._polls[event] = select.poll()
+            p.register(self.fd, event)
         return bool(p.poll(left * 1000))
