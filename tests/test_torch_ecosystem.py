@@ -22,6 +22,20 @@ from torch import nn  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 
+def test_torch_accelerator_memory_calls_answer_for_ember() -> None:
+    """accelerate's ``free_memory`` (Trainer, accelerate >= 1.16) calls ``torch.accelerator.empty_cache()``: with
+    ember the accelerator it failed torch's internal assert ("Allocator for ember is not a DeviceAllocator")."""
+    assert torch.accelerator.current_accelerator().type == "ember"
+    x = torch.ones(4, device="ember")
+    torch.accelerator.empty_cache()
+    torch.accelerator.reset_peak_memory_stats()
+    torch.accelerator.reset_accumulated_memory_stats()
+    assert dict(torch.accelerator.memory_stats()) == {} and torch.accelerator.memory_allocated() == 0
+    with pytest.raises(NotImplementedError, match="peer"):
+        torch.accelerator.get_memory_info()
+    assert x.sum().item() == 4.0
+
+
 def test_torch_accelerator_reports_ember() -> None:
     assert torch.accelerator.is_available()
     assert torch.accelerator.current_accelerator(check_available=True) == torch.device("ember")

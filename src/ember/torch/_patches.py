@@ -219,6 +219,34 @@ def _install_pinning() -> None:
     torch.Tensor.pin_memory, torch.Tensor.is_pinned = pin_memory, is_pinned  # type: ignore[method-assign]
 
 
+def _install_accelerator_memory() -> None:
+    """``torch.accelerator``'s memory functions with ember as the accelerator: this process holds no
+    allocator for ember (a tensor's memory is its peer's, charged to the session's budget there), so
+    they answer as torch does for an accelerator whose allocator was never initialized — ``empty_cache``
+    and the ``reset_*`` calls do nothing, ``memory_stats`` is empty, ``memory_allocated`` 0 — instead of
+    failing torch's internal assert (accelerate's ``free_memory`` calls them); ``get_memory_info`` raises
+    ``NotImplementedError``. Other accelerators are untouched."""
+    C = torch._C
+    initialized, info = C._accelerator_isAllocatorInitialized, C._accelerator_getMemoryInfo
+    if getattr(initialized, "_ember", False):
+        return
+
+    def is_ember() -> bool:
+        return C._get_privateuse1_backend_name() == getattr(torch.accelerator.current_accelerator(), "type", None)
+
+    def is_allocator_initialized() -> bool:
+        return False if is_ember() else initialized()
+
+    def get_memory_info(*args: Any) -> Any:
+        if is_ember():
+            raise NotImplementedError("torch.accelerator.get_memory_info: an ember tensor's memory is its peer's; "
+                                      "this process holds no allocator for it (see `ember top` for a peer's memory)")
+        return info(*args)
+
+    is_allocator_initialized._ember = True  # type: ignore[attr-defined]
+    C._accelerator_isAllocatorInitialized, C._accelerator_getMemoryInfo = is_allocator_initialized, get_memory_info
+
+
 WARNED_COMPILE: list[bool] = []  # the default-backend warning was given
 
 
@@ -334,6 +362,7 @@ def install() -> list[Any]:
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
     _install_ops()
+    _install_accelerator_memory()
     _install_print()
     _install_save()
     _install_module_apply()
