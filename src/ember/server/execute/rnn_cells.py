@@ -59,15 +59,15 @@ def gru_cell(input_gates: Tensor, hidden_gates: Tensor, hx: Tensor, input_bias: 
     hr, hz, hn = hidden_gates.chunk(3, 1)
     r, z = (ir + hr).sigmoid(), (iz + hz).sigmoid()
     n = (in_ + r * hn).tanh()
-    return n + z * (hx - n), torch.cat([r, z, n, hx, hn], 1)
+    return torch.addcmul(n, z, hx - n), torch.cat([r, z, n, hx, hn], 1)
 
 
 def gru_cell_backward(grad_hy: Tensor, workspace: Tensor, has_bias: bool) -> tuple[Any, ...]:
     """``(grad_input_gates, grad_hidden_gates, grad_hx, grad_input_bias, grad_hidden_bias)``."""
     r, z, n, hx, hn = workspace.chunk(5, 1)
-    gz = grad_hy * (hx - n) * (1 - z) * z
-    gn = grad_hy * (1 - z) * (1 - n * n)
-    gr = gn * hn * (1 - r) * r
+    gz = _sigmoid_bw(grad_hy * (hx - n), z)
+    gn = _tanh_bw(grad_hy * torch.rsub(z, 1), n)
+    gr = _sigmoid_bw(gn * hn, r)
     gi, gh = torch.cat([gr, gz, gn], 1), torch.cat([gr, gz, gn * r], 1)
     return gi, gh, grad_hy * z, gi.sum(0) if has_bias else None, gh.sum(0) if has_bias else None
 
