@@ -17,6 +17,9 @@ from typing import Any
 import torch
 
 Tensor = torch.Tensor
+# ``grad * (1 - y) * y`` and ``grad * (1 - y²)`` as ATen's own activation backwards compute them: one kernel
+# each (a peer replaying an LSTM step runs these cells ~140 times a step: Python calls are its cost)
+_sigmoid_bw, _tanh_bw = torch.ops.aten.sigmoid_backward.default, torch.ops.aten.tanh_backward.default
 
 
 def lstm_cell(input_gates: Tensor, hidden_gates: Tensor, cx: Tensor, input_bias: Tensor | None = None,
@@ -25,10 +28,10 @@ def lstm_cell(input_gates: Tensor, hidden_gates: Tensor, cx: Tensor, input_bias:
     gates = input_gates + hidden_gates
     if input_bias is not None and hidden_bias is not None:
         gates = gates + input_bias + hidden_bias
-    i, f, g, o = gates.chunk(4, 1)
-    i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
-    cy = f * cx + i * g
-    return o * cy.tanh(), cy, torch.cat([i, f, g, o], 1)
+    i, f, g, o = gates.chunk(4, 1)  # activated in place: ``gates`` (a fresh sum) becomes the workspace
+    i.sigmoid_(), f.sigmoid_(), g.tanh_(), o.sigmoid_()
+    cy = torch.addcmul(f * cx, i, g)
+    return o * cy.tanh(), cy, gates
 
 
 def lstm_cell_backward_impl(grad_hy: Tensor | None, grad_cy: Tensor | None, cx: Tensor, cy: Tensor,
@@ -39,11 +42,11 @@ def lstm_cell_backward_impl(grad_hy: Tensor | None, grad_cy: Tensor | None, cx: 
     i, f, g, o = workspace.chunk(4, 1)
     tc = cy.tanh()
     go = grad_hy if grad_hy is not None else torch.zeros_like(cy)
-    gc = go * o * (1 - tc * tc)
+    gc = _tanh_bw(go * o, tc)  # go * o * (1 - tc²): one kernel where the expression took four
     if grad_cy is not None:
         gc = gc + grad_cy
-    grad_gates = torch.cat([gc * g * (1 - i) * i, gc * cx * (1 - f) * f, gc * i * (1 - g * g),
-                            go * tc * (1 - o) * o], 1)
+    grad_gates = torch.cat([_sigmoid_bw(gc * g, i), _sigmoid_bw(gc * cx, f), _tanh_bw(gc * i, g),
+                            _sigmoid_bw(go * tc, o)], 1)
     return grad_gates, gc * f, grad_gates.sum(0) if has_bias else None
 
 
@@ -56,15 +59,15 @@ def gru_cell(input_gates: Tensor, hidden_gates: Tensor, hx: Tensor, input_bias: 
     hr, hz, hn = hidden_gates.chunk(3, 1)
     r, z = (ir + hr).sigmoid(), (iz + hz).sigmoid()
     n = (in_ + r * hn).tanh()
-    return n + z * (hx - n), torch.cat([r, z, n, hx, hn], 1)
+    return torch.addcmul(n, z, hx - n), torch.cat([r, z, n, hx, hn], 1)
 
 
 def gru_cell_backward(grad_hy: Tensor, workspace: Tensor, has_bias: bool) -> tuple[Any, ...]:
     """``(grad_input_gates, grad_hidden_gates, grad_hx, grad_input_bias, grad_hidden_bias)``."""
     r, z, n, hx, hn = workspace.chunk(5, 1)
-    gz = grad_hy * (hx - n) * (1 - z) * z
-    gn = grad_hy * (1 - z) * (1 - n * n)
-    gr = gn * hn * (1 - r) * r
+    gz = _sigmoid_bw(grad_hy * (hx - n), z)
+    gn = _tanh_bw(grad_hy * torch.rsub(z, 1), n)
+    gr = _sigmoid_bw(gn * hn, r)
     gi, gh = torch.cat([gr, gz, gn], 1), torch.cat([gr, gz, gn * r], 1)
     return gi, gh, grad_hy * z, gi.sum(0) if has_bias else None, gh.sum(0) if has_bias else None
 
