@@ -1,7 +1,7 @@
 """ember.torch benchmarks, every figure next to local CPU torch measured in the same run.
 
     python bench/bench_torch.py [--steps 100] [--repeat 3] [--transports memory,websocket,tcp,iroh]
-                                [--only mlp,transformer,gpt,gpt6,lstm,cpu,big,roundtrip]
+                                [--only mlp,transformer,gpt,gpt6,lstm,cpu,big,roundtrip,generate]
                                 [--modes eager,compile,capture]
 
 * one round trip, p50 and p99 (µs): ``(a + 1).to_numpy()`` of a 1-element array and ``(a + 1).item()``
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--transports", default="memory,websocket,tcp,iroh")
     ap.add_argument("--only", default="mlp,transformer,cpu,big,roundtrip",
-                    help="comma-separated figures: " + ",".join([*WORKLOADS, "cpu", "big", "roundtrip"]))
+                    help="comma-separated figures: " + ",".join([*WORKLOADS, "cpu", "big", "roundtrip", "generate"]))
     ap.add_argument("--samples", type=int, default=2000, help="round trips per latency figure")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--modes", default="eager,compile,capture",
@@ -370,6 +370,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             wd = devs.get("websocket", devs["memory"])
             fig["wire"] = _on(wd, lambda kw=kw, wd=wd: wire(kw, wd))
             report["figures"][name] = fig
+        if "generate" in only:
+            report["figures"]["generate"] = generate_figure(devs, a.repeat)
         remote = devs.get("tcp") or devs.get("websocket") or devs["memory"]
         if "cpu" in only:
             report["figures"]["client_cpu_us_per_op"] = {
@@ -394,6 +396,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         json.dump(report, f, indent=1)
     print(f"wrote {path}")
     return report
+
+
+def decode_time(device: str, how: str, tokens: int = 48) -> float:
+    """Seconds per generated token of a tiny HF GPT-2 (2 layers, n_embd 64), greedy, after a warm-up: ``how`` is
+    "generate" (plain ``model.generate``), "static" (a StaticCache decode step, eager) or "capture" (that step
+    under ``ember.torch.capture``: one REPLAY and one read per token)."""
+    import transformers as tf
+    tf.utils.logging.set_verbosity_error()
+    cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=128, bos_token_id=0,
+                        eos_token_id=0)
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(cfg).eval().to(device)
+    prompt = torch.randint(0, 100, (1, 8))
+    with torch.no_grad():
+        if how == "generate":
+            kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=tokens, min_new_tokens=tokens)
+            model.generate(prompt.to(device), **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+            t0 = time.perf_counter()
+            model.generate(prompt.to(device), **kw)
+            return (time.perf_counter() - t0) / tokens
+        cache = tf.StaticCache(config=cfg, max_cache_len=8 + tokens + 8)
+
+        def decode(tok: Any, pos: Any) -> Any:
+            return model(input_ids=tok, cache=cache, cache_position=pos, use_cache=True).logits[:, -1:].argmax(-1)
+        step = ember.torch.capture(decode) if how == "capture" else decode
+        tok = model(input_ids=prompt.to(device), cache=cache, cache_position=torch.arange(8).to(device),
+                    use_cache=True).logits[:, -1:].argmax(-1)
+        for i in range(4 + tokens):  # (the first 4 warm up; capture records there)
+            if i == 4:
+                t0 = time.perf_counter()
+            tok = step(tok, torch.tensor([8 + i]).to(device))
+            tok.cpu()  # the token read back, as a decode loop does
+        return (time.perf_counter() - t0) / tokens
+
+
+def generate_figure(devs: dict[str, ember.Device], repeat: int) -> dict[str, Any]:
+    fns: dict[str, Callable[[], float]] = {"local generate": lambda: decode_time("cpu", "generate"),
+                                           "local static": lambda: decode_time("cpu", "static")}
+    for t, d in devs.items():
+        fns[f"{t} generate"] = lambda d=d: _on(d, lambda: decode_time("ember", "generate"))
+        fns[f"{t} static+capture"] = lambda d=d: _on(d, lambda: decode_time("ember", "capture"))
+    times = alternate(fns, repeat)
+    return {k: {"ms_per_token": round(v * 1e3, 3),
+                "vs_local": round(times["local generate" if k.endswith("generate") else "local static"] / v, 3)}
+            for k, v in times.items()}
 
 
 def _on(dev: ember.Device, fn: Callable[[], Any]) -> Any:
@@ -425,6 +472,10 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"  {'':12s} per step: {w['aten_ops']} ATen ops; messages {w['messages_first']} first, "
                      f"{w['messages_replayed']} replayed; bytes {w['bytes_first']} first, {w['bytes_replayed']} "
                      f"replayed ({w['ratio']}x)")
+    g = r["figures"].get("generate")
+    if g:
+        lines.append("  generate, tiny GPT-2 (ms/token; plain generate() vs local generate(), a StaticCache decode step vs "
+                     "the same step local): " + ", ".join(f"{k} {v['ms_per_token']} ({v['vs_local']}x)" for k, v in g.items()))
     c = r["figures"].get("client_cpu_us_per_op")
     if c:
         lines.append(f"  client CPU per dispatched ATen op: MLP {c['mlp']} µs, transformer {c['transformer']} µs "
