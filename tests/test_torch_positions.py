@@ -207,3 +207,39 @@ def test_a_composite_named_directly_is_refused_on_the_peer() -> None:
         with pytest.raises(RemoteExecutionError, match="composite"):
             A.embedding_dense_backward(_e(torch.randn(1, 3)), _e(torch.tensor([BIG])), 4, -1, True).cpu()
     assert (torch.arange(3.0, device=E) - 1).tolist() == [-1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("k", [0, 4, 8])  # max-pool backward, embedding backward, segment_reduce
+def test_position_operands_are_checked_in_a_replayed_graph_too(k: int) -> None:
+    """A replayed graph runs its steps on the peer's fast path (server/execute/program.py): the position checks
+    hold there as for an op sent alone. The call is captured (one REPLAY a call), then handed bad positions."""
+    from ember.torch import _capture as C
+
+    def operands(v: int) -> tuple[Callable[..., Any], list[torch.Tensor]]:
+        name, call = _pool_calls(v)[k]
+        ins: list[torch.Tensor] = []
+        try:  # the CPU operands, in the order the call takes them (run on meta: nothing reads their values)
+            call(lambda t: ins.append(t) or t.to("meta"))
+        except (RuntimeError, NotImplementedError):
+            pass
+        return call, ins
+
+    def first(r: Any) -> torch.Tensor:
+        return r[0] if isinstance(r, tuple) else r
+
+    call, good = operands(0)
+    _, bad = operands(BIG)
+
+    def run(*ts: torch.Tensor) -> Any:
+        it = iter(ts)
+        return call(lambda _t: next(it))
+    step = ember.torch.capture(run)
+    replays = C.stats["replays"]
+    want = first(run(*good))
+    for _ in range(4):
+        assert torch.equal(first(step(*[_e(t) for t in good])).cpu(), want)
+    assert C.stats["replays"] > replays, "the call never replayed"
+    with pytest.raises(RemoteExecutionError, match="refused on the peer"):
+        first(step(*[_e(t) for t in bad])).cpu()
+    assert C.stats["replays"] > replays + 1  # (refused inside a replay, not by an eager fallback)
+    assert (torch.arange(3.0, device=E) + 1).tolist() == [1.0, 2.0, 3.0]  # the session carries on

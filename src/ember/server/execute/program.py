@@ -119,9 +119,9 @@ class Program:
     def _lower(self, i: int, s: Any, g: Any, n_in: int, first_out: int) -> FastStep | None:
         aten, torch = self.aten, self.torch
         fn, regs, oregs, kw, name, _, err = s
-        if err is not None or type(fn) is not aten.AtenKernel or fn.resize or not isinstance(kw, dict) \
-                or set(kw) != {"a", "l", "o"} or not isinstance(kw["o"], list):
-            return None
+        if err is not None or type(fn) is not aten.AtenKernel or fn.resize or fn.check is not None \
+                or not isinstance(kw, dict) or set(kw) != {"a", "l", "o"} or not isinstance(kw["o"], list):
+            return None  # (an op whose operand values are positions runs its check: AtenKernel.run, generic)
         a, lays, specs = kw["a"], kw["l"], kw["o"]
         if not isinstance(lays, list) or not isinstance(a, list) or len(a) != len(fn.args) \
                 or len(regs) != 1 + len(lays) or len(oregs) != len(specs):
@@ -209,6 +209,8 @@ class Program:
     # ---- replay ----------------------------------------------------------------------------------
     def run(self, it: Any, g: Any, R: list[Any], ovr: Any, st: Any) -> None:
         """Replay the graph over ``R`` (inputs and scalars set); kept registers hold storage values after."""
+        if self.aten.THREADS[0] is not None:  # (the fast steps call kernels directly: AtenKernel.run follows it)
+            self.aten._follow_threads()
         bound = self.bound
         for k in self.in_lays:
             if R[k] is not bound[k]:
