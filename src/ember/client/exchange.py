@@ -50,9 +50,7 @@ class Exchanging:
         s: Any = self
         calm = self._calm
         with s._lock:
-            g = s._grp
-            if g is None or g:
-                s._end_group()
+            s._boundary_locked()
             s._pending.append(msg)
             idle = not s._frames and s._parked and s.lost is None
             if calm is not None:

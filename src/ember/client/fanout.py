@@ -67,15 +67,10 @@ class FanOut:
         if self.lost is not None:
             raise self._lost_error()
         with self._lock:
-            g = self._grp
-            if g is None or g:
-                self._end_group()
+            self._boundary_locked()
             self._own.append(len(self._pending))
             self._pending.append(msg)
-            self._active = True
-            if not self._ticking:
-                self._ticking = True
-                self.loop.call_soon_threadsafe(self._arm_tick)
+            self._arm_locked()
 
     def upload_own(self, arr: Any, progress: Any = None) -> int:
         """Upload ``arr`` to this session's peer only (a large one always is: a job of its own)."""

@@ -17,14 +17,24 @@ from .graph import Candidate, canon
 
 class GroupHolding:
     """Holding and replaying recurring op groups (a mixin of ClientSession, under its lock)."""
+    def _boundary_locked(self) -> None:
+        """What is recorded next starts a new op group (a read, a request, a whole graph, a message alone)."""
+        g = self._grp
+        if g is None or g:
+            self._end_group()
+
+    def _arm_locked(self) -> None:
+        """Something waits to be sent: the idle tick sends it (and bounds a hold by graph_hold)."""
+        self._active = True
+        if not self._ticking:
+            self._ticking = True
+            self.loop.call_soon_threadsafe(self._arm_tick)
+
     def _start_hold(self, c: Candidate, msg: list[Any]) -> None:
         self._cand = c
         self._grp = [msg]
         self._hold_t0 = time.monotonic()
-        self._active = True
-        if not self._ticking:  # the hold is bounded by graph_hold (checked by the idle tick)
-            self._ticking = True
-            self.loop.call_soon_threadsafe(self._arm_tick)
+        self._arm_locked()
 
     def _switch_candidate(self, n: int, name: str) -> bool:
         """The held ops left the candidate at op ``n``: follow another one with the same first ``n`` ops."""
@@ -136,14 +146,7 @@ class GroupHolding:
             e = c.entry = table.entry_for(k)
             if e is None:  # id collision with another body: this group is not cached
                 return False
-        table.touch(e)
-        p = self._pending
-        if table.needs_register(e.gid):
-            p.append(e.wire)
-            self.stats["graphs"] += 1
-        p.append([m.REPLAY, e.gid, k.inputs, k.kept_ids, e.overrides(k.scalars)])
-        self.stats["replays"] += 1
-        self.stats["replayed_ops"] += c.n
+        p = self._append_replay(e, c.n, k.inputs, k.kept_ids, e.overrides(k.scalars))
         elide = k.elide
         if elide:  # temporaries never exist on the peer; consumed inputs are dropped by the replay
             drops = self._drops
@@ -156,6 +159,20 @@ class GroupHolding:
         if len(p) >= self.max_batch:  # (every caller flushes or arms the idle timer next)
             self._flush_locked(False)
         return True
+
+    def _append_replay(self, e: Any, n_ops: int, inputs: list[int], outs: list[Any], overrides: list[Any]) -> list[Any]:
+        """Append a REPLAY of graph entry ``e`` to the pending batch (its GRAPH first when the peer's cache
+        lacks it); returns the batch."""
+        table = self._gtable
+        table.touch(e)
+        p = self._pending
+        if table.needs_register(e.gid):
+            p.append(e.wire)
+            self.stats["graphs"] += 1
+        p.append([m.REPLAY, e.gid, inputs, outs, overrides])
+        self.stats["replays"] += 1
+        self.stats["replayed_ops"] += n_ops
+        return p
 
     # ---- whole graphs captured by a frontend (ember.torch.capture, torch.compile) -------------
     def graph_entry(self, c: Any) -> Any:
@@ -173,21 +190,8 @@ class GroupHolding:
         if self.lost is not None:
             raise self._lost_error()
         with self._lock:
-            g = self._grp
-            if g is None or g:
-                self._end_group()
-            table = self._gtable
-            table.touch(e)
-            p = self._pending
-            if table.needs_register(e.gid):
-                p.append(e.wire)
-                self.stats["graphs"] += 1
-            p.append([m.REPLAY, e.gid, inputs, outs, overrides])
-            self.stats["replays"] += 1
-            self.stats["replayed_ops"] += n_ops
-            self._active = True
-            if not self._ticking:
-                self._ticking = True
-                self.loop.call_soon_threadsafe(self._arm_tick)
+            self._boundary_locked()
+            p = self._append_replay(e, n_ops, inputs, outs, overrides)
+            self._arm_locked()
             if len(p) >= self.max_batch:
                 self._flush_locked(False)

@@ -156,10 +156,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
                 self._end_group()
             p = self._pending
             p.append(msg)
-            self._active = True
-            if not self._ticking:
-                self._ticking = True
-                self.loop.call_soon_threadsafe(self._arm_tick)
+            self._arm_locked()
             if len(p) < self.max_batch:
                 return
             self._flush_locked(False)
@@ -184,9 +181,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
         if self._off:
             fan = False
         if boundary:
-            g = self._grp
-            if g is None or g:
-                self._end_group()
+            self._boundary_locked()
         p = self._pending
         drops = self._drops
         if drops and drops_too and (fan or not self._fan):  # (a drop of a mesh goes to every peer)
@@ -260,9 +255,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
             self._exchange([kind, req, *fields], req, t)  # (client/exchange.py)
         else:
             with self._lock:
-                g = self._grp
-                if g is None or g:
-                    self._end_group()
+                self._boundary_locked()
                 if self._fan:  # the ops before go to every peer of the mesh; the request to this one only
                     self._flush_locked(False)
                 self._pending.append([kind, req, *fields])

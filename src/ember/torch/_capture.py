@@ -51,7 +51,7 @@ from ..protocol import codec
 from ..protocol import messages as m
 from . import _dispatch as D
 from ._devices import apply_seed, current_device, materialize
-from ._storage import StorageRef, fresh_tensor, new_tensor
+from ._storage import StorageRef, fresh_tensor, new_tensor, ref_or_none
 
 TRIES = 4  # recordings in a row without a replayable pair before a step runs eagerly for good
 #: steps recorded, calls replayed, calls run eagerly (given up), graphs made
@@ -197,7 +197,7 @@ def _analyse(tap: _Tap, out: Any, arg_sids: dict[int, int], prev: list[int]) -> 
     ret_fresh: set[int] = set()
     for v in leaves:
         if isinstance(v, torch.Tensor):
-            r = getattr(v.untyped_storage(), "_ember", None) if v.device.type == "ember" else None
+            r = ref_or_none(v)
             if r is None or r.pending is not None:
                 return f"returns a tensor the peer does not hold ({v.device})"
             lay = (v.dtype, tuple(v.shape), tuple(v.stride()), v.storage_offset())
@@ -264,7 +264,7 @@ def _held_by(mods: Any, opts: Any) -> set[int]:
     ts.extend([p.grad for p in ts if isinstance(p, torch.nn.Parameter) and p.grad is not None])
     out = set()
     for t in ts:
-        r = getattr(t.untyped_storage(), "_ember", None) if t.device.type == "ember" else None
+        r = ref_or_none(t)
         if r is not None:
             out.add(r.sid)
     return out
@@ -374,7 +374,7 @@ class Captured:
         first: dict[int, int] = {}
         for v in leaves:
             if isinstance(v, torch.Tensor):
-                r = getattr(v.untyped_storage(), "_ember", None) if v.device.type == "ember" else None
+                r = ref_or_none(v)
                 if r is None:
                     return self._give_up(f"takes a {v.device} tensor as an argument (move it with .to('ember') "
                                          "before the call)", args, kwargs)

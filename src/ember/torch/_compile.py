@@ -27,7 +27,7 @@ from ..client.graph import canon
 from ..protocol import messages as m
 from ._capture import recording
 from ._devices import apply_seed, materialize
-from ._storage import StorageRef, fresh_tensor, live_session, new_tensor
+from ._storage import StorageRef, fresh_tensor, live_session, new_tensor, ref_or_none
 
 _OP = m.OP
 TRIES = 3  # captures per layout before a graph runs eagerly for good
@@ -89,7 +89,7 @@ class Replayer:
         self.traces: dict[Any, _Trace | int] = {}  # layout key -> trace, or the captures tried so far
 
     def __call__(self, *args: Any) -> Any:
-        refs = [_ref(a) for a in args]
+        refs = [ref_or_none(a) for a in args]
         if any(r is None for r, a in zip(refs, args) if isinstance(a, torch.Tensor)) or not any(refs):
             stats["eager"] += 1  # a CPU tensor among the inputs (or no ember one): as eager
             return self.gm(*args)
@@ -149,7 +149,7 @@ class Replayer:
                     return None  # a value (a SymInt...): run eagerly rather than guess
                 outputs.append(("none",))
                 continue
-            r = _ref(o)
+            r = ref_or_none(o)
             if r is None or r.pending is not None or r.session is not session:
                 return None
             layout = (o.dtype, tuple(o.shape), tuple(o.stride()), o.storage_offset(), o.requires_grad)
@@ -180,7 +180,8 @@ class Replayer:
         if t.graph is None:
             t.graph = _as_graph(t, session)
         g = t.graph
-        if g and not recording():  # one REPLAY (inside ember.torch.capture: the ops, for its own graph)
+        graphed = bool(g) and not recording()
+        if graphed:  # one REPLAY (inside ember.torch.capture: the ops, for its own graph)
             session.replay_graph(g.entry, g.n_ops, [sub[x] for x in g.inputs], [new[o] for o in g.outs], g.over)
         else:
             record = session.record
@@ -204,18 +205,12 @@ class Replayer:
             else:
                 x = new_tensor(dtype, size, stride, offset, storage=t.kept[o[1]])
             outs.append(x.requires_grad_() if grad else x)
-        if not g or recording():
+        if not graphed:
             for f, sid in new.items():
                 if sid not in storages:
                     session.release(sid)  # an intermediate: freed on the peer after the ops that use it
         stats["replays"] += 1
         return outs
-
-
-def _ref(a: Any) -> StorageRef | None:
-    if isinstance(a, torch.Tensor) and a.device.type == "ember":
-        return getattr(a.untyped_storage(), "_ember", None)
-    return None
 
 
 def _key(args: tuple[Any, ...], refs: list[StorageRef | None], session: Any) -> Any:

@@ -53,6 +53,13 @@ def ref_of(t: torch.Tensor) -> StorageRef:
     return r
 
 
+def ref_or_none(a: Any) -> StorageRef | None:
+    """The peer storage behind ``a`` when it is an ember tensor made by ember.torch, else None."""
+    if isinstance(a, torch.Tensor) and a.device.type == "ember":
+        return getattr(a.untyped_storage(), "_ember", None)
+    return None
+
+
 def live_session(r: StorageRef) -> ClientSession:
     s = r.session
     if s.lost is not None:

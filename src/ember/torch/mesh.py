@@ -32,7 +32,7 @@ from ..client.session import ClientSession
 from ..errors import ConnectError, EmberError, SessionLost
 from ..protocol import messages as m
 from ._storage import StorageRef, layout_of, new_tensor, ref_of
-from ._transfer import _bytes_of
+from ._transfer import _bytes_of, _contiguous
 
 _OP = m.OP
 
@@ -264,11 +264,7 @@ class Mesh(Device):
         else:
             arrays = [_bytes_of(p.detach().contiguous()) for p in x.chunk(n, dim)]
         sid = ms.upload_each(arrays, choose(None, arrays[0].nbytes))
-        stride, acc = [0] * len(shape), 1
-        for i in range(len(shape) - 1, -1, -1):
-            stride[i] = acc
-            acc *= max(shape[i], 1)
-        return new_tensor(x.dtype, torch.Size(shape), tuple(stride), 0, ref=StorageRef(sid, ms, self))  # type: ignore[arg-type]
+        return new_tensor(x.dtype, torch.Size(shape), tuple(_contiguous(shape)), 0, ref=StorageRef(sid, ms, self))  # type: ignore[arg-type]
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
         """The mean over the peers of ``t`` (a new tensor; its read answers the mean)."""

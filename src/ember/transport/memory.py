@@ -38,7 +38,7 @@ class MemoryConnection:
         if self._closed:
             raise ConnectionError("memory link closed")
         self.sent += 1  # (counted first: a frame on the link is never "handled" before it is counted)
-        self._outbox.put_nowait(frame_bytes(frame))
+        self._outbox.put_nowait(frame_bytes(frame))  # a copy: the sender may change its buffers
 
     def direct(self, frame: bytes) -> list[bytes] | None:
         """Run ``frame`` at the other end on this thread and return its answers, or None (not now)."""
@@ -46,7 +46,7 @@ class MemoryConnection:
         handler = peer.direct_handler if peer is not None else None
         if handler is None or self._closed or peer._closed:
             return None
-        return handler(frame, self.sent)  # a copy: the sender may change its buffers
+        return handler(frame, self.sent)
 
     async def recv(self) -> bytes | None:
         if self._closed:

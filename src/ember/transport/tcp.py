@@ -240,14 +240,18 @@ class TcpConnection:
         self._sink = sink
 
     # -- receiving ---------------------------------------------------------
+    def _compact(self, k: int) -> None:
+        """Room for ``k`` staged bytes from ``_start``: the staged bytes moved to the front when there is not."""
+        if len(self._stage) - self._start < k:
+            n = self._end - self._start
+            self._view[:n] = self._view[self._start:self._end]
+            self._start, self._end = 0, n
+
     async def _fill(self, k: int) -> bool:
         """At least ``k`` (<= _STAGE) bytes staged; False at a clean end before any of them."""
         if self._end - self._start >= k:
             return True
-        if len(self._stage) - self._start < k:  # compact
-            n = self._end - self._start
-            self._view[:n] = self._view[self._start:self._end]
-            self._start, self._end = 0, n
+        self._compact(k)
         while self._end - self._start < k:
             r = await self._io.recv_into(self._view[self._end:])
             if not r:

@@ -231,10 +231,7 @@ class CalmLink:
                     need = 4
                 if self.unpark_wanted or not self._poll(select.POLLIN, deadline):
                     return False  # wanted elsewhere, or slow: the loop waits for it
-                if len(c._stage) - c._start < need:  # compact (as TcpConnection._fill)
-                    k = c._end - c._start
-                    c._view[:k] = c._view[c._start:c._end]
-                    c._start, c._end = 0, k
+                c._compact(need)
                 try:
                     r = self.sock.recv_into(c._view[c._end:])
                 except (BlockingIOError, InterruptedError):

@@ -47,7 +47,7 @@ class FastStep:
     """One ATen step of a program (see the module docstring)."""
 
     __slots__ = ("i", "kernel", "fc", "fd", "trs", "sreg", "n_scal", "outs", "one", "touts", "wtrs", "wregs",
-                 "wlays", "trustable", "trusted", "nbytes", "name", "kw", "oregs", "regs", "plan", "kwplan", "baked")
+                 "wlays", "trustable", "trusted", "nbytes", "name", "kw", "oregs", "plan", "kwplan", "baked")
 
 
 class Program:
@@ -132,7 +132,7 @@ class Program:
         for lay in lays:
             aten.A.layout_extent(lay, aten.ITEMSIZE)  # raises: generic
         fs = FastStep()
-        fs.i, fs.kernel, fs.name, fs.kw, fs.sreg, fs.regs, fs.oregs = i, fn, name, kw, sreg, regs, oregs
+        fs.i, fs.kernel, fs.name, fs.kw, fs.sreg, fs.oregs = i, fn, name, kw, sreg, oregs
         fs.trusted = False
         # bind once with markers: each tensor slot a distinct empty tensor, each scalar a distinct float
         marks = [torch.empty(0) for _ in lays]
@@ -183,13 +183,12 @@ class Program:
         self.unbind(k, self.bound[k])
         torch, V0 = self.torch, self.V0
         ok = isinstance(b, torch.Tensor) and b.dtype is torch.uint8 and b.dim() == 1 and b.storage_offset() == 0
-        st = b.untyped_storage() if ok else None
-        n = st.nbytes() if ok else 0
-        dev, DT = self.device, self.aten.DTYPES
-        for tr, (size, stride, off, dt), need in self.in_lays.get(k, ()):
-            V0[tr] = torch.empty((0,), dtype=DT[dt], device=dev).set_(st, off, size, stride) \
-                if ok and need <= n else None
-        if ok:
+        entries = self.in_lays.get(k, ())
+        if not ok:
+            for tr, _, _ in entries:
+                V0[tr] = None
+        else:
+            self._derive(V0, b, entries, self.device)
             self.bound[k] = b
             self.views.setdefault(id(b), set()).add((self, k))
 
@@ -267,10 +266,14 @@ class Program:
                 v = R[r] = self.aten.as_storage(t)
         return v
 
-    def _derive(self, V: list[Any], r: Any, d: list[tuple[int, Any, int]]) -> None:
+    def _derive(self, V: list[Any], r: Any, d: Any, dev: Any = None) -> None:
+        """Views of ``r``'s storage (on ``dev``, default ``r``'s device) in the layouts ``d`` (typed register,
+        layout, bytes it needs) into ``V``: None where the storage is too small (that step runs generically
+        and says why)."""
         st = r.untyped_storage()
         n = st.nbytes()
-        empty, DT, dev = self.torch.empty, self.aten.DTYPES, r.device
+        empty, DT = self.torch.empty, self.aten.DTYPES
+        dev = r.device if dev is None else dev
         for tr, (size, stride, off, dt), need in d:
             V[tr] = empty((0,), dtype=DT[dt], device=dev).set_(st, off, size, stride) if need <= n else None
 

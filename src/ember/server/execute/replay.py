@@ -50,14 +50,14 @@ def store_results(store: Any, outs: list[int], res: Any, name: str) -> None:
 class _Run:
     """One replay's running state: bytes charged for the register file, poison seen, inputs spoiled."""
 
-    __slots__ = ("temps", "small", "bad", "spoiled", "ins", "n_in", "gid")
+    __slots__ = ("temps", "small", "bad", "spoiled", "ins", "n_in")
 
-    def __init__(self, ins: list[Any], n_in: int, gid: int) -> None:
+    def __init__(self, ins: list[Any], n_in: int) -> None:
         self.temps = 0  # bytes of results the register file holds (nominal sizes), released at the end
         self.small = 0  # bytes of small results not charged yet (at most SLACK)
         self.bad = False
         self.spoiled: dict[Any, Poison] = {}
-        self.ins, self.n_in, self.gid = ins, n_in, gid
+        self.ins, self.n_in = ins, n_in
 
 
 class Poison:
@@ -228,7 +228,7 @@ class GraphReplay:
         self.graph_saved += g.saved
         t, poison = self.tensors, self.poison
         R: list[Any] = [None] * g.n_reg
-        st = _Run(ins, n_in, gid)
+        st = _Run(ins, n_in)
         for k, i in enumerate(ins):
             v = t.get(i)
             if v is None:
