@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -44,19 +43,13 @@ import torch  # noqa: E402
 
 import ember  # noqa: E402
 import ember.torch  # noqa: E402
+from ember.bench.server_process import serve_collectives  # noqa: E402
 from ddp_reference import batches, loss_of, make_mlp  # noqa: E402
 
 
 def peer() -> tuple[subprocess.Popen, str]:
     pin = ["taskset", "-c", f"1-{os.cpu_count() - 1}"] if ARGS.pin and (os.cpu_count() or 1) > 1 else []
-    p = subprocess.Popen([*pin, sys.executable, "-m", "ember.cli.main", "serve", "--device", "torch:cpu", "--collectives",
-                          "--no-iroh", "--tcp", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True, env=ENV)
-    assert p.stdout is not None
-    for line in p.stdout:
-        found = re.search(r"listening on (tcp://\S+)", line)
-        if found:
-            return p, found.group(1)
-    raise SystemExit("ember serve printed no address")
+    return serve_collectives("torch:cpu", ENV, pin)
 
 
 def train(dev: ember.Device, mesh: bool) -> tuple[float, float, float]:

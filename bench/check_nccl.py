@@ -10,7 +10,6 @@ Prints one line per check and exits 1 on the first failure. ``--cpu N``: the sam
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ import torch
 
 import ember
 import ember.torch
+from ember.bench.server_process import serve_collectives
 from ember.errors import RemoteExecutionError
 
 ENV = {**os.environ, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -29,16 +29,7 @@ if CPU:
 
 
 def peer(gpu: int) -> tuple[subprocess.Popen, str]:
-    device = "torch:cpu" if CPU else f"torch:cuda:{gpu}"
-    p = subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", "--device", device,
-                          "--collectives", "--no-iroh", "--tcp", "127.0.0.1:0"], stdout=subprocess.PIPE,
-                         text=True, env=ENV)
-    assert p.stdout is not None
-    for line in p.stdout:
-        found = re.search(r"listening on (tcp://\S+)", line)
-        if found:
-            return p, found.group(1)
-    raise SystemExit("ember serve printed no address")
+    return serve_collectives("torch:cpu" if CPU else f"torch:cuda:{gpu}", ENV)
 
 
 def check(name: str, ok: bool) -> None:

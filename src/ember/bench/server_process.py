@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -253,3 +254,17 @@ class ServerProcess:
         except Exception:  # noqa: BLE001
             p.kill()
             p.wait(5)
+
+
+def serve_collectives(device: str, env: dict[str, str], prefix: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """``ember serve --device DEVICE --collectives`` on loopback TCP (no iroh), started with ``prefix`` (e.g.
+    ``taskset``); returns the process and its ``tcp://`` address, read from its output."""
+    p = subprocess.Popen([*(prefix or []), sys.executable, "-m", "ember.cli.main", "serve", "--device", device,
+                          "--collectives", "--no-iroh", "--tcp", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True,
+                         env=env)
+    assert p.stdout is not None
+    for line in p.stdout:
+        found = re.search(r"listening on (tcp://\S+)", line)
+        if found:
+            return p, found.group(1)
+    raise SystemExit("ember serve printed no address")
