@@ -39,6 +39,8 @@ def test_own_session_figures_need_no_admin_rights(admin_server):
     x = xp.asarray(np.ones((10, 10)), device=d)
     y = x @ x + 1.0
     y.to_numpy()
+    # (the batch that read y stays charged, as a decoded batch, a moment after its answer went out)
+    assert wait_until(lambda: d.stats()["peer"]["session"]["bytes_held"] == 1600), d.stats()["peer"]["session"]
     st = d.stats()
     assert st["ops"] >= 3 and st["bytes_received"] > 800  # the client's counters, as before
     peer = st["peer"]
