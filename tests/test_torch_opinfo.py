@@ -24,7 +24,7 @@ SUBSET = ("abs", "add", "mul", "exp", "where", "cat", "sum", "amax", "cumsum", "
           "sgn", "linalg.inv", "linalg.solve", "linalg.cholesky", "linalg.qr", "linalg.eigh", "linalg.lstsq",
           "triangular_solve", "geqrf", "fft.ifft", "fft.rfft", "as_strided_copy", "as_strided_scatter",
           "nn.functional.embedding_bag", "nn.functional.multi_margin_loss", "matmul", "addmm",
-          "nn.functional.conv2d", "softmax", "clamp", "sort", "to", "histogramdd", "addbmm")
+          "nn.functional.conv2d", "softmax", "clamp", "sort", "to", "histogramdd", "addbmm", "to_sparse")
 _DB = {op.name: op for op in O.op_db()}
 
 
@@ -78,9 +78,12 @@ def test_peer_refuses_a_written_operand_its_kernel_reshapes() -> None:
     assert (x + 1).cpu().shape == (5, 3)  # the session carries on
 
 
-def test_sparse_tensors_fail_with_the_op_named() -> None:
-    """Ember tensors are strided: making or using a sparse one raises NotImplementedError naming the op."""
-    with pytest.raises(NotImplementedError, match=r"aten\._to_sparse.*sparse"):
-        torch.eye(3).to("ember").to_sparse()
-    with pytest.raises(NotImplementedError, match=r"aten\._sparse_coo_tensor_with_dims_and_tensors.*sparse"):
-        torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.tensor([1.0]), (2, 2), device="ember")
+def test_sparse_layouts_but_coo_fail_with_the_op_named() -> None:
+    """COO tensors are held (``_sparse.py``); CSR and the block layouts raise NotImplementedError naming the op."""
+    with pytest.raises(NotImplementedError, match=r"_to_sparse_csr.*sparse"):
+        torch.eye(3).to("ember").to_sparse_csr()
+    with pytest.raises(NotImplementedError, match=r"only sparse COO"):
+        torch.eye(3).to("ember").to_sparse(layout=torch.sparse_csc)
+    s = torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.tensor([1.0]), (2, 2), device="ember")
+    assert s.is_sparse and s.device.type == "ember"
+    assert torch.equal(s.to_dense().cpu(), torch.tensor([[0, 1.0], [0, 0]]))

@@ -20,7 +20,8 @@ Round trips happen only where torch needs a value: ``.item()``, ``bool(t)``, ``.
 masks). ``torch.autocast("ember", dtype=...)`` applies CUDA's mixed-precision policy;
 ``torch.compile(m, backend="ember")`` records each compiled graph once and replays it.
 Not supported: ``generator=`` arguments (seed with ``torch.manual_seed``, which reseeds the
-peers too), sparse/quantized/nested tensors, ``ember:1`` (one torch device).
+peers too), quantized/nested tensors, sparse layouts but COO (a few COO ops: :mod:`._sparse`),
+``ember:1`` (one torch device).
 """
 
 from __future__ import annotations

@@ -140,14 +140,17 @@ def register() -> None:
         fallback.fallback(D.kernel, "PrivateUse1")
         for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):  # sparse ember tensors: a clear error, by op
             fallback.fallback(_sparse_refused, key)
+        from . import _sparse
         claims = torch.library.Library("aten", "IMPL")
         for name in _claimed_overloads():
+            if name[len("aten::"):] in _sparse.DENSE_KERNELS:
+                continue
             try:
                 op = _overload(name)
             except AttributeError:
                 continue
             claims.impl(name[len("aten::"):], functools.partial(D.kernel, op), "PrivateUse1")
-        _libs.extend([fallback, claims])
+        _libs.extend([fallback, claims, _sparse.install()])
         from ._meta import install_meta
         _libs.append(install_meta())
         from . import _patches

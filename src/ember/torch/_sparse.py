@@ -1,0 +1,179 @@
+"""Sparse COO tensors on ember, written in dense ember ops.
+
+A sparse ember tensor is torch's own ``SparseTensorImpl`` on the ember device (dispatch key
+``SparsePrivateUse1``) whose indices and values are ordinary dense ember tensors. The peer never holds
+a sparse tensor -- the protocol refuses every sparse op (``protocol/aten.py``), so nothing on the
+wire is new and every index a sparse op uses reaches the peer as an operand of a dense op (an
+``index_put_`` or an advanced index), checked there like any other. Each kernel below is a few dense
+ops, as torch writes its own sparse kernels; the ones that read the impl's fields (``_indices``,
+``_nnz``, ...) and the constructor run torch's device-agnostic ``SparseMeta`` kernels.
+
+Held: making one (``to_sparse()`` / ``to_sparse(sparse_dim)``, ``torch.sparse_coo_tensor`` with ember
+indices and values, a CPU sparse tensor ``.to("ember")``), reading it back (``.cpu()``, ``to_dense()``,
+``indices()``/``values()``, ``coalesce()``), ``clone``, ``neg``, ``add``/``sub`` of two sparse tensors,
+``mul`` by a dense tensor or a scalar, ``sum``, ``sparse_mask`` and autograd through them. Any other
+op on a sparse ember tensor, and sparse CSR/CSC/BSR/BSC layouts, raise ``NotImplementedError``
+naming the op (``_device._sparse_refused``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+_META = torch._C.DispatchKeySet(torch._C.DispatchKey.SparseMeta)
+
+#: Ops whose SparseMeta kernel only reads or sets the impl's fields: right for any device.
+FIELD_OPS = ("_indices", "_values", "_nnz", "sparse_dim", "dense_dim", "is_coalesced", "_coalesced_",
+             "_dimV", "indices", "values", "_sparse_coo_tensor_with_dims_and_tensors",
+             "_sparse_coo_tensor_with_dims", "sparse_resize_", "sparse_resize_and_clear_")
+
+
+def _fields(name: str) -> Any:
+    op = getattr(aten, name).default
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return op.redispatch(_META, *args, **kwargs)
+    return kernel
+
+
+def _make(indices: torch.Tensor, values: torch.Tensor, size: Any, coalesced: bool) -> torch.Tensor:
+    sparse_dim = indices.shape[0]
+    return aten._sparse_coo_tensor_with_dims_and_tensors.default(
+        sparse_dim, values.dim() - 1, list(size), indices, values, dtype=values.dtype, layout=torch.sparse_coo,
+        device=values.device, pin_memory=False, is_coalesced=coalesced)
+
+
+def _linear(indices: torch.Tensor, size: Any) -> torch.Tensor:
+    """Each nonzero's row-major position over the sparse dims (what coalescing sorts by)."""
+    lin = torch.zeros(indices.shape[1], dtype=torch.int64, device=indices.device)
+    for d in range(indices.shape[0]):
+        lin = lin * int(size[d]) + indices[d]
+    return lin
+
+
+def _to_sparse(x: torch.Tensor, sparse_dim: int | None = None) -> torch.Tensor:
+    d = x.dim() if sparse_dim is None else sparse_dim
+    if not 0 <= d <= x.dim():
+        raise RuntimeError(f"sparse_dim must be in [0, {x.dim()}], got {d}")
+    mask = x != 0
+    if d < x.dim():
+        mask = mask.flatten(d).any(-1) if d > 0 else mask.any().reshape(())
+    indices = torch.nonzero(mask).t().contiguous() if d > 0 else \
+        torch.zeros(0, int(bool(mask)), dtype=torch.int64, device=x.device)
+    values = x[tuple(indices)] if d > 0 else x.unsqueeze(0)[: indices.shape[1]]
+    return _make(indices, values.contiguous(), x.shape, True)
+
+
+def to_sparse_layout(x: torch.Tensor, *, layout: Any = None, blocksize: Any = None,
+                     dense_dim: int | None = None) -> torch.Tensor:
+    if layout not in (None, torch.sparse_coo) or blocksize is not None:
+        raise NotImplementedError(f"to_sparse(layout={layout}) on ember: only sparse COO tensors are held "
+                                  "(CSR/CSC/BSR/BSC are not); convert on CPU")
+    return _to_sparse(x, None if dense_dim is None else x.dim() - dense_dim)
+
+
+def to_sparse_dim(x: torch.Tensor, sparse_dim: int) -> torch.Tensor:
+    return _to_sparse(x, sparse_dim)
+
+
+def to_dense(s: torch.Tensor, dtype: Any = None, masked_grad: Any = None) -> torch.Tensor:
+    values = s._values() if dtype is None else s._values().to(dtype)
+    out = torch.zeros(s.shape, dtype=values.dtype, device=s.device)
+    if s._nnz() == 0:
+        return out
+    return out.index_put_(tuple(s._indices()), values, accumulate=True)
+
+
+def coalesce(s: torch.Tensor) -> torch.Tensor:
+    indices, values = s._indices(), s._values()
+    if s._nnz() == 0 or s.is_coalesced():
+        return _make(indices.clone(), values.clone(), s.shape, True)
+    lin = _linear(indices, s.shape)
+    unique, inverse = torch.unique(lin, sorted=True, return_inverse=True)
+    first = torch.full((unique.shape[0],), indices.shape[1], dtype=torch.int64, device=s.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(indices.shape[1], device=s.device), "amin")
+    summed = torch.zeros((unique.shape[0], *values.shape[1:]), dtype=values.dtype, device=s.device)
+    summed = summed.index_add(0, inverse, values)
+    return _make(indices[:, first], summed, s.shape, True)
+
+
+def clone(s: torch.Tensor, *, memory_format: Any = None) -> torch.Tensor:
+    return _make(s._indices().clone(), s._values().clone(), s.shape, s.is_coalesced())
+
+
+def neg(s: torch.Tensor) -> torch.Tensor:
+    return _make(s._indices().clone(), -s._values(), s.shape, s.is_coalesced())
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    if a.shape != b.shape:
+        raise RuntimeError(f"{what}: sparse tensors of sizes {list(a.shape)} and {list(b.shape)} must match")
+
+
+def add(a: torch.Tensor, b: Any, *, alpha: Any = 1) -> torch.Tensor:
+    if not (isinstance(b, torch.Tensor) and a.is_sparse and b.is_sparse):
+        raise NotImplementedError("aten.add on ember: sparse + dense is not held (sparse + sparse is); "
+                                  "use a.to_dense() + b")
+    _same_shape(a, b, "add")
+    if a.sparse_dim() != b.sparse_dim():
+        raise RuntimeError(f"add: expected 'self' and 'other' to have same density, but 'self' has "
+                           f"{a.sparse_dim()} sparse dimensions while 'other' has {b.sparse_dim()}")
+    vb = b._values() if alpha == 1 else b._values() * alpha
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    return _make(torch.cat([a._indices(), b._indices()], 1), torch.cat([a._values().to(dtype), vb.to(dtype)]),
+                 a.shape, False)
+
+
+def sub(a: torch.Tensor, b: Any, *, alpha: Any = 1) -> torch.Tensor:
+    return add(a, b, alpha=-alpha)
+
+
+def mul(a: Any, b: Any) -> torch.Tensor:
+    if isinstance(a, torch.Tensor) and not a.is_sparse:
+        a, b = b, a
+    if isinstance(b, torch.Tensor) and b.is_sparse:
+        raise NotImplementedError("aten.mul on ember: sparse * sparse is not held (sparse * dense is); "
+                                  "use .to_dense() on one side")
+    indices, values = a._indices(), a._values()
+    if isinstance(b, torch.Tensor) and b.dim() > 0:
+        if b.shape != a.shape:
+            raise NotImplementedError("aten.mul on ember: a sparse tensor times a dense one of another shape "
+                                      f"({list(a.shape)} and {list(b.shape)}) is not held")
+        b = b[tuple(indices)] if indices.shape[0] else b.unsqueeze(0)
+    return _make(indices.clone(), values * b, a.shape, a.is_coalesced())
+
+
+def sum_all(s: torch.Tensor, *, dtype: Any = None) -> torch.Tensor:
+    return s._values().sum(dtype=dtype)
+
+
+def sparse_mask(dense: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    _same_shape(dense, mask, "sparse_mask")
+    indices = mask._indices()
+    values = dense[tuple(indices)] if indices.shape[0] else dense.unsqueeze(0)[: indices.shape[1]]
+    return _make(indices.clone(), values.contiguous(), mask.shape, mask.is_coalesced())
+
+
+#: ATen name -> kernel for sparse ember operands (SparsePrivateUse1).
+SPARSE_KERNELS = {"_to_dense": to_dense, "_coalesce": coalesce, "clone": clone, "neg": neg,
+                  "add.Tensor": add, "sub.Tensor": sub, "mul.Tensor": mul, "sum": sum_all,
+                  "sparse_mask": sparse_mask}
+#: ATen name -> kernel for a dense ember operand making a sparse tensor (PrivateUse1).
+DENSE_KERNELS = {"_to_sparse": to_sparse_layout, "_to_sparse.sparse_dim": to_sparse_dim}
+
+
+def install() -> torch.library.Library:
+    lib = torch.library.Library("aten", "IMPL")
+    for name in FIELD_OPS:
+        lib.impl(name, _fields(name), "SparsePrivateUse1")
+    for name, kernel in SPARSE_KERNELS.items():
+        lib.impl(name, kernel, "SparsePrivateUse1")
+    for name, kernel in DENSE_KERNELS.items():
+        lib.impl(name, kernel, "PrivateUse1")
+    return lib
+
+
+__all__ = ["install", "DENSE_KERNELS"]
