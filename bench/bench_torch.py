@@ -101,18 +101,19 @@ def step_time(kw: dict[str, Any], device: str, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def compiled_step_time(kw: dict[str, Any], steps: int, backend: str = "ember") -> float:
-    """Seconds per step of W.train's loop with the model under ``torch.compile(backend=...)`` on the
-    current Ember device (compiled and warmed before the clock starts; the loss read every 10 steps)."""
+def compiled_step_time(kw: dict[str, Any], steps: int, backend: str = "ember", device: str = "ember") -> float:
+    """Seconds per step of W.train's loop with the model under ``torch.compile(backend=...)`` on ``device``
+    (the current Ember device, or local CPU torch with inductor as the baseline; compiled and warmed before the
+    clock starts; the loss read every 10 steps)."""
     torch.manual_seed(0)
-    m = kw["model"]().to("ember")
+    m = kw["model"]().to(device)
     run = torch.compile(m, backend=backend)
     o = getattr(torch.optim, kw["opt"])(m.parameters(), **kw["opt_args"])
     g = torch.Generator().manual_seed(0)
 
     def step() -> Any:  # as W.train: a fresh batch uploaded every step
         x, y = kw["batch"](g)
-        x, y = x.to("ember"), y.to("ember")
+        x, y = x.to(device), y.to(device)
         out = run(x)
         loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         o.zero_grad(set_to_none=True)
@@ -354,6 +355,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for t, d in devs.items():
                 fns[t] = lambda kw=kw, d=d: _on(d, lambda: step_time(kw, "ember", a.steps))
             cd = devs.get("tcp") or devs.get("websocket")
+            if "compile" in modes:  # the local baseline compiled: torch.compile's default backend on CPU
+                fns["local+inductor"] = lambda kw=kw: compiled_step_time(kw, a.steps, "inductor", "cpu")
             if cd is not None and "compile" in modes:  # torch.compile(backend="ember"): graphs replayed without per-op dispatch
                 fns[f"{cd.address.split(':')[0]}+compile"] = lambda kw=kw, cd=cd: _on(
                     cd, lambda: compiled_step_time(kw, a.steps))
