@@ -149,3 +149,22 @@ def test_equal_scalars_of_other_types_never_share_a_cached_plan() -> None:
         for v in (6.0, 6, True, 1, 1.0):
             want, got = make(v, "cpu"), make(v, "ember")
             assert got.dtype == want.dtype and torch.equal(got.cpu(), want), (v, got.dtype, want.dtype)
+
+
+def test_uploads_keep_values_dtypes_strides_and_grads_as_cpu() -> None:
+    """``x.to("ember")`` of a contiguous CPU tensor is one upload (``_patches._plain_upload``); any other layout or
+    request takes torch's composite. Either way the result's values, dtype and strides are CPU's ``x.to(...)``."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 4, generator=g), torch.randint(-9, 9, (5,), generator=g), torch.randn(4, 3, generator=g).t(),
+          torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last), torch.tensor(2.5),
+          torch.empty(0, 3), torch.tensor([True, False]), torch.randn(3, 2, dtype=torch.complex64, generator=g)]
+    for x in xs:
+        for kw in ({}, {"dtype": torch.float64}, {"dtype": torch.int32}, {"memory_format": torch.contiguous_format}):
+            if x.is_complex() and kw.get("dtype") in (torch.int32, torch.float64):
+                continue
+            want, got = x.to(copy=True, **kw), x.to("ember", **kw)
+            assert got.dtype == want.dtype and got.stride() == want.stride(), (x.shape, kw)
+            assert torch.equal(got.cpu(), want), (x.shape, kw)
+    leaf = torch.randn(3, generator=g, requires_grad=True)
+    (leaf.to("ember") * 2).sum().backward()
+    assert torch.equal(leaf.grad, torch.full((3,), 2.0))

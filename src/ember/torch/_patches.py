@@ -91,9 +91,24 @@ def _on_its_device(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> An
     if kwargs.get("non_blocking"):  # torch would pin a CPU destination: a copy from ember is one read and
         kwargs["non_blocking"] = False  # one to ember is ordered in the batch anyway, so it blocks no more
     if self.device.type != "ember":  # CPU -> ember: the target is the current device, as before
+        if op is aten._to_copy.default and not args and _plain_upload(self, kwargs):
+            dtype = kwargs.get("dtype")
+            return T.upload(self if dtype in (None, self.dtype) else self.to(dtype), Dv.current_device())
         return op._op_dk(composite, self, *args, **kwargs)
     with ref_of(self).device:  # (the innermost `with dev:` is where factory ops run)
         return op._op_dk(composite, self, *args, **kwargs)
+
+
+def _plain_upload(self: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """``_to_copy`` of a contiguous CPU tensor to ember, nothing else asked: one upload, as the composite's
+    empty tensor + copy would send, without them (a training loop's batch, every step)."""
+    return self.device.type == "cpu" and self.layout == torch.strided and self.is_contiguous() and \
+        kwargs.get("layout") in (None, torch.strided) and not kwargs.get("pin_memory") and \
+        kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format) and \
+        set(kwargs) <= _UPLOAD_KWARGS
+
+
+_UPLOAD_KWARGS = frozenset({"dtype", "layout", "device", "pin_memory", "non_blocking", "memory_format"})
 
 
 def _pin(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
