@@ -84,6 +84,7 @@ def test_sparse_layouts_but_coo_fail_with_the_op_named() -> None:
         torch.eye(3).to("ember").to_sparse_csr()
     with pytest.raises(NotImplementedError, match=r"only sparse COO"):
         torch.eye(3).to("ember").to_sparse(layout=torch.sparse_csc)
-    s = torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.tensor([1.0]), (2, 2), device="ember")
+    s = torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.tensor([1.0]), (2, 2), device="ember",
+                                check_invariants=True)
     assert s.is_sparse and s.device.type == "ember"
     assert torch.equal(s.to_dense().cpu(), torch.tensor([[0, 1.0], [0, 0]]))
