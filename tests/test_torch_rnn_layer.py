@@ -15,6 +15,8 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 F = nn.functional
 
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 import ember  # noqa: E402
 import ember.torch  # noqa: E402
 from ember.errors import RemoteExecutionError  # noqa: E402
@@ -145,6 +147,21 @@ def test_lstm_forward_backward_and_no_grad_equal_local_cpu(kw: dict[str, Any]) -
         assert torch.equal(a, b)
 
 
+def test_an_lstm_under_autocast_keeps_cudas_policy() -> None:
+    """Under ``torch.autocast("ember")`` the cells run in the low-precision type, as before (CUDA's policy)."""
+    torch.manual_seed(0)
+    m = nn.LSTM(4, 6, 2)
+    x = torch.randn(5, 2, 4)
+    with ember.connect("local:torch"):
+        e = nn.LSTM(4, 6, 2)
+        e.load_state_dict(m.state_dict())
+        e = e.to("ember")
+        with torch.autocast("ember", dtype=torch.bfloat16):
+            got = e(x.to("ember"))[0]
+        assert got.dtype is torch.bfloat16
+        torch.testing.assert_close(got.float().cpu(), m(x)[0].detach(), rtol=0.05, atol=0.01)
+
+
 def test_other_lstms_still_take_the_cells_and_train() -> None:
     """float64, projections, or oneDNN switched off: torch's own composite (per-step cells), close to CPU."""
     torch.manual_seed(0)
@@ -154,9 +171,9 @@ def test_other_lstms_still_take_the_cells_and_train() -> None:
             x = torch.randn(5, 2, 4, dtype=dt)
             want = m(x)[0]
             e = m.to("ember")
-            n0 = ember.torch.counters["ops"]
-            got = e(x.to("ember"))[0]
-            assert ember.torch.counters["ops"] - n0 > 20  # per-step cells
+            with _OpNames() as seen:
+                got = e(x.to("ember"))[0]
+            assert "aten._thnn_fused_lstm_cell.default" in seen.names  # ATen's own composite: the fused cells
             torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-6, atol=1e-6)
         with torch.backends.mkldnn.flags(enabled=False):
             m = nn.LSTM(4, 6)
@@ -166,6 +183,18 @@ def test_other_lstms_still_take_the_cells_and_train() -> None:
             got = m.to("ember")(x.to("ember"))[0]
             assert ember.torch.counters["ops"] - n0 > 20
             torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-6, atol=1e-6)
+
+
+class _OpNames(TorchDispatchMode):
+    """The names of the ATen overloads dispatched inside the context."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 # ---- the peer's checks: a hostile client's raw messages -------------------------------------------------

@@ -8,7 +8,7 @@ where CPU torch runs 4 kernels). An ``ember`` tensor is such another device. Thi
 ``AutogradPrivateUse1``, takes CPU's path when the peer is a torch CPU device of this torch version:
 the same kernels in the same order (``aten/src/ATen/native/mkldnn/RNN.cpp``'s ``mkldnn_rnn``), so the
 results are bit-equal to local CPU torch, and autograd records the layer ops as it does on CPU. Anything
-else (other peers, dtypes, projections, oneDNN switched off) takes torch's own composite, as before.
+else (other peers, dtypes, projections, oneDNN switched off, autocast) takes torch's own composite, as before.
 
 The kernel's ``train`` argument carries the caller's grad mode (the CPU kernel saves its workspace only
 with grad on, and reads nothing else from that argument): the peer runs the layer in that mode
@@ -26,6 +26,9 @@ from ._storage import ref_or_none
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
+#: ATen's own C++ composite (the fused cells on a non-CPU device); ``OpOverload.decompose`` would take
+#: torch._decomp's Python one instead (plain cell ops: other rounding, no autocast of the cells)
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 
 
 def _cpu_peer(t: Tensor) -> bool:
@@ -38,8 +41,10 @@ def _cpu_peer(t: Tensor) -> bool:
 
 
 def takes_onednn(input: Tensor, hx: list[Tensor], params: list[Tensor]) -> bool:  # noqa: A002
-    """CPU torch's test (``use_mkldnn``, float32, no projections) for a peer that is a CPU."""
+    """CPU torch's test (``use_mkldnn``, float32, no projections) for a peer that is a CPU; not under autocast,
+    where ember follows CUDA's policy (the cells in the low-precision type: ``_autocast.py``)."""
     return (torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled() and len(hx) == 2
+            and not torch.is_autocast_enabled(input.device.type)
             and input.dtype is torch.float32 and input.numel() != 0 and input.dim() == 3
             and all(t.dtype is torch.float32 for t in (*hx, *params))
             and hx[0].dim() == 3 and hx[0].shape[2] == hx[1].shape[2] and _cpu_peer(input))
@@ -49,8 +54,8 @@ def lstm(input: Tensor, hx: list[Tensor], params: list[Tensor], has_biases: bool
          dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``aten::lstm.input`` on ember tensors (see the module's docstring)."""
     if not takes_onednn(input, hx, params):
-        return aten.lstm.input.decompose(input, hx, params, has_biases, num_layers, dropout, train,
-                                         bidirectional, batch_first)
+        return aten.lstm.input._op_dk(_COMPOSITE, input, hx, params, has_biases, num_layers, dropout, train,
+                                      bidirectional, batch_first)
     x = (input.transpose(0, 1) if batch_first else input).contiguous()
     h0, c0 = hx[0].contiguous(), hx[1].contiguous()
     hidden, per, dirs = h0.shape[2], 4 if has_biases else 2, 2 if bidirectional else 1
