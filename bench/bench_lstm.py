@@ -82,10 +82,15 @@ class Loop:
 
 
 def peer_cpu(pid: int) -> float:
-    """Seconds of CPU (user + system) process ``pid`` has used."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """Seconds of CPU process ``pid``'s live threads have run (``/proc/PID/task/*/schedstat``, ns resolution)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9
 
 
 def main(argv: list[str] | None = None) -> None:
