@@ -40,27 +40,27 @@ def _cpu_peer(t: Tensor) -> bool:
     return info.get("spec") == "torch:cpu" and str(info.get("name", "")).split()[1:2] == [torch.__version__]
 
 
-def takes_onednn(input: Tensor, hx: list[Tensor], params: list[Tensor]) -> bool:  # noqa: A002
+def takes_onednn(input: Tensor, hx: list[Tensor], params: list[Tensor], n_params: int) -> bool:  # noqa: A002
     """CPU torch's test (``use_mkldnn``, float32, no projections) for a peer that is a CPU; not under autocast,
-    where ember follows CUDA's policy (the cells in the low-precision type: ``_autocast.py``)."""
+    where ember follows CUDA's policy (the cells in the low-precision type: ``_autocast.py``). Calls torch
+    would refuse (``n_params`` parameters expected) go to its composite, which says why."""
     return (torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled() and len(hx) == 2
-            and not torch.is_autocast_enabled(input.device.type)
+            and not torch.is_autocast_enabled(input.device.type) and len(params) == n_params
             and input.dtype is torch.float32 and input.numel() != 0 and input.dim() == 3
             and all(t.dtype is torch.float32 for t in (*hx, *params))
-            and hx[0].dim() == 3 and hx[0].shape[2] == hx[1].shape[2] and _cpu_peer(input))
+            and hx[0].dim() == 3 and hx[1].dim() == 3 and hx[0].shape[2] == hx[1].shape[2] and _cpu_peer(input))
 
 
 def lstm(input: Tensor, hx: list[Tensor], params: list[Tensor], has_biases: bool, num_layers: int,  # noqa: A002
          dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``aten::lstm.input`` on ember tensors (see the module's docstring)."""
-    if not takes_onednn(input, hx, params):
+    per, dirs = 4 if has_biases else 2, 2 if bidirectional else 1
+    if not takes_onednn(input, hx, params, per * num_layers * dirs):
         return aten.lstm.input._op_dk(_COMPOSITE, input, hx, params, has_biases, num_layers, dropout, train,
                                       bidirectional, batch_first)
     x = (input.transpose(0, 1) if batch_first else input).contiguous()
     h0, c0 = hx[0].contiguous(), hx[1].contiguous()
-    hidden, per, dirs = h0.shape[2], 4 if has_biases else 2, 2 if bidirectional else 1
-    if len(params) != per * num_layers * dirs:
-        raise ValueError(f"lstm: {len(params)} parameters where {per * num_layers * dirs} are expected")
+    hidden = h0.shape[2]
     grad = torch.is_grad_enabled()
     hy, cy = [], []
     for layer in range(num_layers):
