@@ -286,3 +286,22 @@ def test_only_the_two_dense_lstm_layer_kernels_pass_the_mkldnn_deny_list() -> No
     for name in ("aten.mkldnn_rnn_layer.out", "aten.mkldnn_rnn_layer_backward.out", "aten.mkldnn_convolution.default",
                  "aten.to_mkldnn.default", "aten.mkldnn_reorder_conv2d_weight.default"):
         assert "refused" in (refusal(name) or ""), name
+
+
+def test_replayed_lstm_layers_keep_their_checks_and_grad_mode() -> None:
+    """A replayed graph lowers only unchecked kernels onto its fast path (server/execute/program.py): the two
+    layer kernels keep their operand checks in every replay, and the forward its grad mode from ``train``."""
+    from ember.server.execute.aten import AtenKernel
+    from ember.server.execute.session_random import SessionRandom
+    cpu = torch.device("cpu")
+    fwd = AtenKernel("aten.mkldnn_rnn_layer.default", A.mkldnn_rnn_layer.default, cpu, SessionRandom(cpu))
+    bwd = AtenKernel("aten.mkldnn_rnn_layer_backward.default", A.mkldnn_rnn_layer_backward.default, cpu,
+                     SessionRandom(cpu))
+    assert fwd.check is not None and bwd.check is not None
+    assert fwd.grad_arg == 15 and bwd.grad_arg is None
+    x = _layer_args()[:7]
+    args = [t.cpu() for t in x] + [False, [], rnn_layer.LSTM, 5, 1, True, False, False, False]
+    assert fwd.run(args, {})[3] is None  # train False: oneDNN's inference kernel, no workspace
+    with torch.no_grad():
+        args[15] = True
+        assert fwd.run(args, {})[3].numel() == rnn_layer.workspace_bytes(3, 2, 4, 5, False)
