@@ -259,7 +259,11 @@ def test_a_workspace_smaller_than_onednn_reads_is_refused_on_the_peer() -> None:
                 False]
         want = [t.cpu() for t in A.mkldnn_rnn_layer_backward(*back, ws)]
         with pytest.raises(RemoteExecutionError, match="workspace.*refused on the peer"):
-            A.mkldnn_rnn_layer_backward(*back, ws[:64])[0].cpu()
+            A.mkldnn_rnn_layer_backward(*back, ws[:64])[0].cpu()  # sizes a forward ran with: learnt
+        t7 = [torch.randn(7, 2, 4).to("ember"), *back[1:7], torch.randn(7, 2, 5).to("ember"), *back[8:10],
+              torch.ones(7, 2, 5).to("ember"), *back[11:]]
+        with pytest.raises(RemoteExecutionError, match="workspace holds 64 bytes.*refused on the peer"):
+            A.mkldnn_rnn_layer_backward(*t7, ws[:64])[0].cpu()  # sizes no forward had: not even probed
         with pytest.raises(RemoteExecutionError, match="mode.*refused on the peer"):
             def gru_mode(kw: dict[str, Any]) -> None:
                 kw["a"][9] = 3
@@ -298,10 +302,11 @@ def test_replayed_lstm_layers_keep_their_checks_and_grad_mode() -> None:
     bwd = AtenKernel("aten.mkldnn_rnn_layer_backward.default", A.mkldnn_rnn_layer_backward.default, cpu,
                      SessionRandom(cpu))
     assert fwd.check is not None and bwd.check is not None
-    assert fwd.grad_arg == 15 and bwd.grad_arg is None
-    x = _layer_args()[:7]
-    args = [t.cpu() for t in x] + [False, [], rnn_layer.LSTM, 5, 1, True, False, False, False]
+    assert fwd.special is not None and bwd.special is None
+    x = _layer_args(t=4)[:7]
+    args = [t.cpu() for t in x] + [True, [], rnn_layer.LSTM, 5, 1, True, False, False, False]
     assert fwd.run(args, {})[3] is None  # train False: oneDNN's inference kernel, no workspace
     with torch.no_grad():
         args[15] = True
-        assert fwd.run(args, {})[3].numel() == rnn_layer.workspace_bytes(3, 2, 4, 5, False)
+        ws = fwd.run(args, {})[3]  # train True: the training kernel, whose workspace's size the peer learns
+    assert ws.numel() == rnn_layer.workspace_bytes(4, 2, 4, 5, True) == rnn_layer._learnt[(4, 2, 4, 5, True)]

@@ -151,8 +151,8 @@ class AtenKernel:
         self.draw = rng.runner(op) if self.seeded else None
         #: operands whose values or sizes the CPU kernel trusts as memory positions: checked before it runs
         self.check = positions.checker(op) or rnn_layer.checker(op)
-        #: the argument holding the grad mode the kernel runs in (the LSTM layer's ``train``: rnn_layer.py)
-        self.grad_arg = rnn_layer.grad_mode_arg(op)
+        #: how the kernel runs when not as ``op(*args, **kwargs)`` (the LSTM layer: in a grad mode, rnn_layer.py)
+        self.special = rnn_layer.runner(op)
         self.unsafe_ok = self.check is not None and name.split(".")[1] in positions.UNSAFE_CHECKED
         #: elementwise, no random stream, no resize: on small operands, cheap enough for the network loop
         self.pointwise = torch.Tag.pointwise in op.tags and not self.seeded and not self.resize
@@ -197,9 +197,8 @@ class AtenKernel:
             self.check(args, kwargs)
         if THREADS[0] is not None:
             _follow_threads()
-        if self.grad_arg is not None:
-            with torch.set_grad_enabled(args[self.grad_arg] is True):
-                return self.op(*args, **kwargs)
+        if self.special is not None:
+            return self.special(args, kwargs)
         return self.draw(args, kwargs) if self.draw is not None else self.op(*args, **kwargs)
 
     @staticmethod

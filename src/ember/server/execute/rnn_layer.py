@@ -9,17 +9,21 @@ Both CPU kernels hand every operand's data pointer to oneDNN with sizes taken fr
 ``hidden_size`` alone, trusting that weights, states, outputs and workspace match them: through torch they
 always do. A client writing raw ``OP`` messages could break that and make the peer read or write outside a
 storage, so :func:`checker` checks every operand's shape, dtype and density first. The workspace is
-oneDNN's own buffer, whose size only oneDNN knows: :func:`workspace_bytes` learns it once per shape by
-running the forward on zeros.
+oneDNN's own buffer, whose size only oneDNN knows: the peer learns it from each forward it runs
+(:func:`runner`), and for sizes no forward had (or forgotten) runs the forward on zeros once
+(:func:`workspace_bytes`), only when the workspace sent holds at least the gates' part of it, so that
+probe allocates a small multiple of what the caller already holds.
 
 The forward saves its workspace only with grad mode on (and runs oneDNN's inference kernel otherwise,
 whose results differ in the last bits). Its ``train`` argument is otherwise unread by the kernel, so the
-client sends its grad mode there, and the peer runs the forward in that mode (:func:`grad_mode_arg`).
+client sends its grad mode there, and the peer runs the forward in that mode (:func:`runner`).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -87,8 +91,39 @@ def check_layer_backward(a: Named) -> None:
     for name, shape in (("grad_output", (t, n, h)), ("grad_hy", (n, h)), ("grad_cy", (n, h))):
         if a[name] is not None:
             _like(op, name, a[name], shape)
-    need = workspace_bytes(t, n, i, h, bool(a["reverse"]))
-    _dense(op, "workspace", a["workspace"], (need,), torch.uint8)
+    ws = a["workspace"]
+    held = ws.numel() if isinstance(ws, torch.Tensor) and ws.dtype is torch.uint8 else 0
+    _dense(op, "workspace", ws, (expected_workspace(op, (t, n, i, h, bool(a["reverse"])), held),), torch.uint8)
+
+
+Sizes = tuple[int, int, int, int, bool]  # (T, N, I, H, reverse)
+_learnt: OrderedDict[Sizes, int] = OrderedDict()
+_learnt_lock = threading.Lock()
+MAX_LEARNT = 4096
+
+
+def learn(sizes: Sizes, nbytes: int) -> None:
+    """Remember the workspace size a forward of these sizes made (the oldest forgotten past MAX_LEARNT)."""
+    with _learnt_lock:
+        _learnt[sizes] = nbytes
+        _learnt.move_to_end(sizes)
+        while len(_learnt) > MAX_LEARNT:
+            _learnt.popitem(last=False)
+
+
+def expected_workspace(op: str, sizes: Sizes, held: int) -> int:
+    """The workspace bytes oneDNN reads for ``sizes``: as a forward made it, or probed once when the ``held``
+    bytes sent cover at least the gates oneDNN keeps there (T x N x 4H floats)."""
+    with _learnt_lock:
+        known = _learnt.get(sizes)
+    if known is not None:
+        return known
+    t, n, _i, h, _r = sizes
+    if held < t * n * 4 * h * 4:
+        _fail(op, f"workspace holds {held} bytes, fewer than the {t * n * 4 * h * 4} of its gates alone")
+    nbytes = workspace_bytes(*sizes)
+    learn(sizes, nbytes)
+    return nbytes
 
 
 @functools.lru_cache(maxsize=64)
@@ -125,11 +160,23 @@ def checker(op: Any) -> Callable[[list[Any], dict[str, Any]], None] | None:
     return bound(op, CHECKS.get(op._schema.name.split("::")[-1]))
 
 
-def grad_mode_arg(op: Any) -> int | None:
-    """For the forward layer: the position of ``train``, the grad mode its kernel must run in; else None."""
+def runner(op: Any) -> Callable[[list[Any], dict[str, Any]], Any] | None:
+    """For the forward layer (else None): a call of its kernel on bound ``(args, kwargs)`` in the grad mode
+    its ``train`` names, which learns the size of the workspace it made."""
     if op._schema.name != f"aten::{LAYER}" or op._schema.overload_name:
         return None
-    return [a.name for a in op._schema.arguments].index("train")
+    names = [a.name for a in op._schema.arguments]
+    train, reverse, hidden = names.index("train"), names.index("reverse"), names.index("hidden_size")
+
+    def run(args: list[Any], kwargs: dict[str, Any]) -> Any:
+        with torch.set_grad_enabled(args[train] is True):
+            res = op(*args, **kwargs)
+        if res[3] is not None:
+            t, n, i = (int(s) for s in args[0].shape)
+            learn((t, n, i, int(args[hidden]), bool(args[reverse])), int(res[3].numel()))
+        return res
+    return run
 
 
-__all__ = ["meta_layer", "CHECKS", "checker", "check_layer", "check_layer_backward", "workspace_bytes", "grad_mode_arg", "LSTM"]
+__all__ = ["meta_layer", "CHECKS", "checker", "check_layer", "check_layer_backward", "workspace_bytes",
+           "expected_workspace", "learn", "runner", "LSTM"]
