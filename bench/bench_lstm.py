@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{'cells' if a.cells else 'oneDNN layers'}), {a.rounds} rounds of {a.steps} steps")
         for k in modes:
             ratios = [lw / w for lw, w in zip(wall["local"], wall[k])]
-            print(f"  {k:18s} {statistics.median(wall[k]) * 1e3:7.2f} ms/step  vs local x{statistics.median(ratios):.2f} "
+            print(f"  {k:18s} {statistics.median(wall[k]) * 1e3:7.2f} ms/step  "
+                  f"vs local x{statistics.median(ratios):.2f} "
                   f"(range {min(ratios):.2f}-{max(ratios):.2f})  CPU/step: this process "
                   f"{statistics.median(cpu[k]) * 1e3:.2f} ms, TCP peer {statistics.median(peer[k]) * 1e3:.2f} ms")
     finally:

@@ -286,7 +286,8 @@ def test_a_bad_lstm_layer_call_fails_where_it_is_made() -> None:
 
 def test_only_the_two_dense_lstm_layer_kernels_pass_the_mkldnn_deny_list() -> None:
     from ember.server.execute.aten import refusal
-    assert refusal("aten.mkldnn_rnn_layer.default") is None and refusal("aten.mkldnn_rnn_layer_backward.default") is None
+    assert refusal("aten.mkldnn_rnn_layer.default") is None
+    assert refusal("aten.mkldnn_rnn_layer_backward.default") is None
     for name in ("aten.mkldnn_rnn_layer.out", "aten.mkldnn_rnn_layer_backward.out", "aten.mkldnn_convolution.default",
                  "aten.to_mkldnn.default", "aten.mkldnn_reorder_conv2d_weight.default"):
         assert "refused" in (refusal(name) or ""), name

@@ -335,11 +335,12 @@ class AtenKernel:
         if not isinstance(specs, list):
             raise ValueError(f"malformed ATen call of {self.name}: output specs")
         stored = []
+        ptrs = {o.untyped_storage().data_ptr() for o in operands} if len(specs) > 1 else None
         for spec in specs:
             if not isinstance(spec, list) or len(spec) != 6 or type(spec[0]) is not int \
                     or not 0 <= spec[0] < len(flat):
                 raise ValueError(f"malformed output spec of {self.name}: {str(spec)[:80]}")
-            stored.append(self._store(flat[spec[0]], spec, operands))
+            stored.append(self._store(flat[spec[0]], spec, operands, ptrs))
         return stored[0] if len(stored) == 1 else tuple(stored)
 
     def _dynamic(self, flat: list[Any], operands: list[torch.Tensor]) -> tuple[Any, ...]:
@@ -362,7 +363,10 @@ class AtenKernel:
         out.append(torch.tensor(desc, dtype=torch.int64))
         return tuple(out)
 
-    def _store(self, r: Any, spec: list[Any], operands: list[torch.Tensor]) -> torch.Tensor:
+    def _store(self, r: Any, spec: list[Any], operands: list[torch.Tensor],
+               ptrs: set[int] | None = None) -> torch.Tensor:
+        """``r`` kept (its memory adopted) or copied in the layout ``spec`` names; ``ptrs``: the operands' storage
+        addresses when the caller has them (an output sharing an operand's memory is copied)."""
         _, size, stride, offset, dtype, nbytes = spec
         layout = [size, stride, offset, dtype]
         need = A.layout_extent(layout, ITEMSIZE)
@@ -377,7 +381,8 @@ class AtenKernel:
                                f"inferred {tuple(size)} {dtype}")
         st = r.untyped_storage()
         if list(r.stride()) == stride and r.storage_offset() == offset and st.nbytes() >= nbytes \
-                and not any(o.untyped_storage().data_ptr() == st.data_ptr() for o in operands):
+                and (st.data_ptr() not in ptrs if ptrs is not None
+                     else not any(o.untyped_storage().data_ptr() == st.data_ptr() for o in operands)):
             return as_storage(r)
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         operand(buf, layout, self.device).copy_(r)
