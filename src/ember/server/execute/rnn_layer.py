@@ -35,9 +35,17 @@ LAYER, BACKWARD = "mkldnn_rnn_layer", "mkldnn_rnn_layer_backward"
 Named = dict[str, Any]
 
 
+class LayerMismatch(PositionError):
+    """An operand of the LSTM layer kernels that does not match the sizes oneDNN is given."""
+
+    def __init__(self, op: str, what: str) -> None:
+        self.detail = f"{op}: {what}"
+        super().__init__(f"{self.detail} (refused on the peer: the oneDNN kernel would read or write outside "
+                         f"its operands)")
+
+
 def _fail(op: str, what: str) -> None:
-    raise PositionError(f"{op}: {what} (refused on the peer: the oneDNN kernel would read or write outside "
-                        f"its operands)")
+    raise LayerMismatch(op, what)
 
 
 def _dense(op: str, name: str, t: Any, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> None:
@@ -143,9 +151,12 @@ def meta_layer(input: Any, weight0: Any, weight1: Any, weight2: Any, weight3: An
     """The forward's outputs on meta operands as the CPU kernel makes them (torch's meta kernel gives the
     workspace 0 bytes; here it has oneDNN's size, and is undefined when ``train``, the grad mode, is off),
     after the peer's checks, so a bad call fails where it is made."""
-    check_layer({"input": input, "weight0": weight0, "weight1": weight1, "weight2": weight2, "weight3": weight3,
-                 "hx_": hx_, "cx_": cx_, "mode": mode, "batch_sizes": batch_sizes, "hidden_size": hidden_size,
-                 "has_biases": has_biases})
+    try:
+        check_layer({"input": input, "weight0": weight0, "weight1": weight1, "weight2": weight2,
+                     "weight3": weight3, "hx_": hx_, "cx_": cx_, "mode": mode, "batch_sizes": batch_sizes,
+                     "hidden_size": hidden_size, "has_biases": has_biases})
+    except LayerMismatch as e:  # torch's way for a bad call of an op: a RuntimeError, raised at the call
+        raise RuntimeError(f"{e.detail}: oneDNN would read or write outside its operands") from None
     t, n, i = (int(s) for s in input.shape)
     ws = input.new_empty((workspace_bytes(t, n, i, hidden_size, bool(reverse)),), dtype=torch.uint8) \
         if train else None
@@ -178,5 +189,5 @@ def runner(op: Any) -> Callable[[list[Any], dict[str, Any]], Any] | None:
     return run
 
 
-__all__ = ["meta_layer", "CHECKS", "checker", "check_layer", "check_layer_backward", "workspace_bytes",
+__all__ = ["LayerMismatch", "meta_layer", "CHECKS", "checker", "check_layer", "check_layer_backward", "workspace_bytes",
            "expected_workspace", "learn", "runner", "LSTM"]
