@@ -84,6 +84,11 @@ DENY = re.compile(r"from_file|unsafe|as_strided|^set_|pin_memory|is_pinned|recor
 files, memory left uninitialised or mapped, unchecked access, pinned/sparse/quantized/nested
 tensors, and ops only the client performs (copies across devices, metadata)."""
 
+DENY_EXCEPT = frozenset({"aten.mkldnn_rnn_layer.default", "aten.mkldnn_rnn_layer_backward.default"})
+"""Overloads :data:`DENY`'s name patterns would refuse that a peer runs: oneDNN's LSTM layer and its backward,
+the kernels CPU torch itself runs for ``nn.LSTM``, take and return plain strided tensors; the peer checks
+their operands' sizes against each other first (``server/execute/rnn_layer.py``)."""
+
 MAX_DIMS = 64
 MAX_LIST = 1 << 16
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -105,7 +110,7 @@ def refusal(name: str, arg_types: list[tuple[str, str]], return_types: list[str]
     if "sparse" in op:
         return (f"ATen op {name} makes or takes sparse tensors, which Ember peers do not hold "
                 "(ember tensors are strided)")
-    if DENY.search(op):
+    if DENY.search(op) and name not in DENY_EXCEPT:
         return f"ATen op {name} is refused on Ember peers (files, raw memory or unchecked access)"
     for arg, t in arg_types:
         if category(t) is None:

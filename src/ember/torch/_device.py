@@ -161,6 +161,8 @@ def register() -> None:
         _libs.extend(_autocast.install())
         from ..server.execute import rnn_cells  # meta kernels torch lacks (the GRU cells: no round trip for nn.GRU),
         rnn_cells.install("Meta", replace=("_thnn_fused_lstm_cell",))  # and one that fails without biases
+        from . import _rnn  # nn.LSTM on a CPU peer: CPU torch's oneDNN layer ops, not per-step cells
+        _libs.append(_rnn.install())
         _registered = True
 
 

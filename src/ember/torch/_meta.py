@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..protocol import aten as A
+from ..server.execute import rnn_layer
 from ._schema import OpInfo, call
 from ._storage import dtype_name
 
@@ -73,8 +74,9 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
     evaluating = i.base in _EVAL_STATS and not any(n == "training" and v for (n, *_r), v in zip(i.args, values))
     if evaluating and any(i.writes):
         raise DataDependent(f"{i.name}: in evaluation the devices' saved statistics are empty")
+    own = _OWN_META.get(i.name)
     try:
-        res = call(i, mvalues)
+        res = own(*mvalues) if own is not None else call(i, mvalues)
     except NotImplementedError as e:
         raise DataDependent(str(e)) from None
     except RuntimeError as e:
@@ -141,6 +143,9 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
     plan.kwargs = {"a": template, "l": layouts, "o": specs}
     return plan
 
+
+_OWN_META = {"aten.mkldnn_rnn_layer.default": rnn_layer.meta_layer}
+"""Ops whose meta kernel sizes an output otherwise than the CPU kernel (oneDNN's LSTM workspace): shaped here."""
 
 _META_DIFFERS = {"_embedding_bag": "include_last_offset", "_embedding_bag_forward_only": "include_last_offset"}
 """Ops whose meta kernel infers other auxiliary shapes than the CPU/CUDA kernels when a flag is set: run as

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ...protocol import aten as A
-from . import positions, rnn_cells
+from . import positions, rnn_cells, rnn_layer
 from .backends import UnknownOp
 from .session_random import SessionRandom
 
@@ -150,7 +150,9 @@ class AtenKernel:
         self.resize = name.split(".")[1] in _RESIZE
         self.draw = rng.runner(op) if self.seeded else None
         #: operands whose values or sizes the CPU kernel trusts as memory positions: checked before it runs
-        self.check = positions.checker(op)
+        self.check = positions.checker(op) or rnn_layer.checker(op)
+        #: how the kernel runs when not as ``op(*args, **kwargs)`` (the LSTM layer: in a grad mode, rnn_layer.py)
+        self.special = rnn_layer.runner(op)
         self.unsafe_ok = self.check is not None and name.split(".")[1] in positions.UNSAFE_CHECKED
         #: elementwise, no random stream, no resize: on small operands, cheap enough for the network loop
         self.pointwise = torch.Tag.pointwise in op.tags and not self.seeded and not self.resize
@@ -195,6 +197,8 @@ class AtenKernel:
             self.check(args, kwargs)
         if THREADS[0] is not None:
             _follow_threads()
+        if self.special is not None:
+            return self.special(args, kwargs)
         return self.draw(args, kwargs) if self.draw is not None else self.op(*args, **kwargs)
 
     @staticmethod
@@ -331,11 +335,12 @@ class AtenKernel:
         if not isinstance(specs, list):
             raise ValueError(f"malformed ATen call of {self.name}: output specs")
         stored = []
+        ptrs = {o.untyped_storage().data_ptr() for o in operands} if len(specs) > 1 else None
         for spec in specs:
             if not isinstance(spec, list) or len(spec) != 6 or type(spec[0]) is not int \
                     or not 0 <= spec[0] < len(flat):
                 raise ValueError(f"malformed output spec of {self.name}: {str(spec)[:80]}")
-            stored.append(self._store(flat[spec[0]], spec, operands))
+            stored.append(self._store(flat[spec[0]], spec, operands, ptrs))
         return stored[0] if len(stored) == 1 else tuple(stored)
 
     def _dynamic(self, flat: list[Any], operands: list[torch.Tensor]) -> tuple[Any, ...]:
@@ -358,7 +363,10 @@ class AtenKernel:
         out.append(torch.tensor(desc, dtype=torch.int64))
         return tuple(out)
 
-    def _store(self, r: Any, spec: list[Any], operands: list[torch.Tensor]) -> torch.Tensor:
+    def _store(self, r: Any, spec: list[Any], operands: list[torch.Tensor],
+               ptrs: set[int] | None = None) -> torch.Tensor:
+        """``r`` kept (its memory adopted) or copied in the layout ``spec`` names; ``ptrs``: the operands' storage
+        addresses when the caller has them (an output sharing an operand's memory is copied)."""
         _, size, stride, offset, dtype, nbytes = spec
         layout = [size, stride, offset, dtype]
         need = A.layout_extent(layout, ITEMSIZE)
@@ -373,7 +381,8 @@ class AtenKernel:
                                f"inferred {tuple(size)} {dtype}")
         st = r.untyped_storage()
         if list(r.stride()) == stride and r.storage_offset() == offset and st.nbytes() >= nbytes \
-                and not any(o.untyped_storage().data_ptr() == st.data_ptr() for o in operands):
+                and (st.data_ptr() not in ptrs if ptrs is not None
+                     else not any(o.untyped_storage().data_ptr() == st.data_ptr() for o in operands)):
             return as_storage(r)
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         operand(buf, layout, self.device).copy_(r)

@@ -319,7 +319,11 @@ CHECKS: dict[str, Check] = {
 
 def checker(op: Any) -> Callable[[list[Any], dict[str, Any]], None] | None:
     """The position check of ATen overload ``op`` on its bound ``(args, kwargs)``, or None."""
-    check = CHECKS.get(op._schema.name.split("::")[-1])
+    return bound(op, CHECKS.get(op._schema.name.split("::")[-1]))
+
+
+def bound(op: Any, check: Check | None) -> Callable[[list[Any], dict[str, Any]], None] | None:
+    """``check`` (of named arguments) as a check of ``op``'s bound ``(args, kwargs)``; None for None."""
     if check is None:
         return None
     names = [a.name for a in op._schema.arguments if not a.kwarg_only]
@@ -331,4 +335,4 @@ def checker(op: Any) -> Callable[[list[Any], dict[str, Any]], None] | None:
     return run
 
 
-__all__ = ["checker", "CHECKS", "UNSAFE_CHECKED", "PositionError"]
+__all__ = ["checker", "bound", "CHECKS", "UNSAFE_CHECKED", "PositionError"]

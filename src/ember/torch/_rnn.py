@@ -1,0 +1,93 @@
+"""``nn.LSTM`` on a CPU peer as CPU torch runs it: one oneDNN layer op per layer and direction.
+
+``aten::lstm.input`` is a composite that picks its path by device: on a CPU tensor (float32, oneDNN
+enabled) it runs ``mkldnn_rnn_layer`` per layer and direction, whose backward is one
+``mkldnn_rnn_layer_backward``; on any other device it falls back to per-time-step cells, ~10 ATen ops
+per time step and layer, forward and backward (~1,800 ops for a 2-layer, 35-step language-model step,
+where CPU torch runs 4 kernels). An ``ember`` tensor is such another device. This kernel, registered for
+``AutogradPrivateUse1``, takes CPU's path when the peer is a torch CPU device of this torch version:
+the same kernels in the same order (``aten/src/ATen/native/mkldnn/RNN.cpp``'s ``mkldnn_rnn``), so the
+results are bit-equal to local CPU torch, and autograd records the layer ops as it does on CPU. Anything
+else (other peers, dtypes, projections, oneDNN switched off, autocast) takes torch's own composite, as before.
+
+The kernel's ``train`` argument carries the caller's grad mode (the CPU kernel saves its workspace only
+with grad on, and reads nothing else from that argument): the peer runs the layer in that mode
+(``server/execute/rnn_layer.py``, which also checks the operands and sizes the workspace).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..server.execute.rnn_layer import LSTM
+from ._storage import ref_or_none
+
+aten = torch.ops.aten
+Tensor = torch.Tensor
+#: ATen's own C++ composite (the fused cells on a non-CPU device); ``OpOverload.decompose`` would take
+#: torch._decomp's Python one instead (plain cell ops: other rounding, no autocast of the cells)
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+
+
+def _cpu_peer(t: Tensor) -> bool:
+    """Whether ``t`` lives on a torch CPU peer running this torch (oneDNN's workspace sizes must agree)."""
+    ref = ref_or_none(t)
+    if ref is None:
+        return False
+    info = ref.device.info
+    return info.get("spec") == "torch:cpu" and str(info.get("name", "")).split()[1:2] == [torch.__version__]
+
+
+def takes_onednn(input: Tensor, hx: list[Tensor], params: list[Tensor], n_params: int) -> bool:  # noqa: A002
+    """CPU torch's test (``use_mkldnn``, float32, no projections) for a peer that is a CPU; not under autocast,
+    where ember follows CUDA's policy (the cells in the low-precision type: ``_autocast.py``). Calls torch
+    would refuse (``n_params`` parameters expected) go to its composite, which says why."""
+    return (torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled() and len(hx) == 2
+            and not torch.is_autocast_enabled(input.device.type) and len(params) == n_params
+            and input.dtype is torch.float32 and input.numel() != 0 and input.dim() == 3
+            and all(t.dtype is torch.float32 for t in (*hx, *params))
+            and hx[0].dim() == 3 and hx[1].dim() == 3 and hx[0].shape[2] == hx[1].shape[2] and _cpu_peer(input))
+
+
+def lstm(input: Tensor, hx: list[Tensor], params: list[Tensor], has_biases: bool, num_layers: int,  # noqa: A002
+         dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``aten::lstm.input`` on ember tensors (see the module's docstring)."""
+    per, dirs = 4 if has_biases else 2, 2 if bidirectional else 1
+    if not takes_onednn(input, hx, params, per * num_layers * dirs):
+        return aten.lstm.input._op_dk(_COMPOSITE, input, hx, params, has_biases, num_layers, dropout, train,
+                                      bidirectional, batch_first)
+    x = (input.transpose(0, 1) if batch_first else input).contiguous()
+    h0, c0 = hx[0].contiguous(), hx[1].contiguous()
+    hidden = h0.shape[2]
+    grad = torch.is_grad_enabled()
+    hy, cy = [], []
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            k = layer * dirs + d
+            w = params[k * per:(k + 1) * per]
+            b_ih = w[2] if has_biases else torch.zeros(w[0].shape, dtype=w[0].dtype, device=w[0].device)
+            b_hh = w[3] if has_biases else torch.zeros(w[1].shape, dtype=w[1].dtype, device=w[1].device)
+            o, h, c, _ = aten.mkldnn_rnn_layer.default(x, w[0], w[1], b_ih, b_hh, h0[k], c0[k], d > 0, [], LSTM,
+                                                       hidden, num_layers, has_biases, bidirectional, batch_first,
+                                                       grad)
+            outs.append(o)
+            hy.append(h)
+            cy.append(c)
+        x = outs[0] if dirs == 1 else torch.cat(outs, -1)
+        if dropout != 0 and train and layer < num_layers - 1:
+            x = torch.dropout(x, dropout, True)
+    out = x.transpose(0, 1) if batch_first else x
+    return out, torch.stack(hy, 0), torch.stack(cy, 0)
+
+
+def install() -> Any:
+    """Register :func:`lstm` for ember tensors; returns the library (the registration lives as long as it)."""
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("lstm.input", lstm, "AutogradPrivateUse1")
+    return lib
+
+
+__all__ = ["install", "lstm", "takes_onednn"]
