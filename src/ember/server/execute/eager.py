@@ -78,6 +78,7 @@ class EagerPlan:
             return GENERIC
         dev = self.device
         tensors = []
+        ptrs = []  # the operands' memory: a result there is copied, never adopted (as ``_store`` does)
         for b, (dt, off, size, stride, need) in zip(bufs, lays):
             if type(b) is not _Tensor or b.dtype is not _uint8 or b.dim() != 1 or b.storage_offset() != 0:
                 return GENERIC
@@ -85,6 +86,7 @@ class EagerPlan:
             if need > st.nbytes():
                 return GENERIC
             tensors.append(_empty((0,), dtype=dt, device=dev).set_(st, off, size, stride))
+            ptrs.append(st.data_ptr())
         scalar = self.scalar
         try:
             S = [scalar(x) for x in scalars]
@@ -93,7 +95,6 @@ class EagerPlan:
         res = k.follow_and_call(self.call, tensors, S)
         flat = res if isinstance(res, (tuple, list)) else (res,)
         stored = []
-        ptrs = None
         for idx, size, stride, off, dt, nb, spec in self.outs:
             if idx >= len(flat):
                 return k._results(res, [o[6] for o in self.outs], tensors)  # raises why
@@ -101,8 +102,6 @@ class EagerPlan:
             if type(r) is _Tensor and r.dtype is dt and r.shape == size and r.stride() == stride \
                     and r.storage_offset() == off:
                 st = r.untyped_storage()
-                if ptrs is None:
-                    ptrs = [t.untyped_storage().data_ptr() for t in tensors]
                 if st.nbytes() >= nb and st.data_ptr() not in ptrs:
                     stored.append(_empty((0,), dtype=_uint8, device=dev).set_(st))  # (aten.as_storage)
                     continue
