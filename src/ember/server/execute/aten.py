@@ -141,7 +141,8 @@ def as_storage(t: torch.Tensor) -> torch.Tensor:
 class AtenKernel:
     """One vetted overload: binds a message's template to the schema, runs it, stores the results."""
 
-    def __init__(self, name: str, op: Any, device: torch.device, rng: SessionRandom) -> None:
+    def __init__(self, name: str, op: Any, device: torch.device, rng: SessionRandom,
+                 plans: dict[bytes, Any] | None = None) -> None:
         self.name, self.op, self.device, self.rng = name, op, device, rng
         args = op._schema.arguments
         self.args = [(a.name, A.category(str(a.real_type)), str(a.real_type), a.kwarg_only) for a in args]
@@ -156,9 +157,9 @@ class AtenKernel:
         self.unsafe_ok = self.check is not None and name.split(".")[1] in positions.UNSAFE_CHECKED
         #: elementwise, no random stream, no resize: on small operands, cheap enough for the network loop
         self.pointwise = torch.Tag.pointwise in op.tags and not self.seeded and not self.resize
-        #: call shapes bound once (:mod:`.eager`): for calls that write no operand and need no position check
-        self.plans: dict[bytes, Any] | None = None if self.resize or self.check is not None or self.writes_any \
-            else {}
+        #: the session's call shapes bound once (:mod:`.eager`), for an overload that writes no operand and
+        #: needs no position check; else None
+        self.plans = None if self.resize or self.check is not None or self.writes_any else plans
 
     def written(self, kwargs: Any) -> list[int]:
         """Positions (among the message's args: the scalar list, then the operands) of the operands this
@@ -455,6 +456,7 @@ class AtenOps(dict):  # type: ignore[type-arg]
         super().__init__(base)
         self.device = device
         self.rng = SessionRandom(device)
+        self.plans: dict[bytes, Any] = {}  # eager call shapes bound once (eager.py), for all its kernels
         self.update(internal_ops(device, self.rng, max_tensor))
         make = base.get(SESSION_OPS)  # type: ignore[call-overload]
         if make is not None:
@@ -468,7 +470,7 @@ class AtenOps(dict):  # type: ignore[type-arg]
         op = _overload(p[1], p[2]) if len(p) == 3 else None
         fn: Callable[..., Any]
         if why is None:
-            fn = AtenKernel(name, op, self.device, self.rng)
+            fn = AtenKernel(name, op, self.device, self.rng, self.plans)
         elif op is not None:  # refused, but what it would write is known: that gets the poison
             fn = Refused(why, AtenKernel(name, op, self.device, self.rng).written)
         else:

@@ -15,9 +15,12 @@ it into its layout or says why, as the generic kernel does).
 Only calls that write no operand, resize nothing, and whose kernel needs no position check
 (:mod:`.positions`) take this way; everything else, and any call the plan's checks do not
 accept, runs the generic kernel (same errors, same results). The call shape is keyed by its
-MessagePack bytes (a canonical encoding: ``1``, ``1.0`` and ``True`` differ); each kernel keeps at
-most :data:`MAX_PLANS` shapes (then starts over), so a client sending ever new shapes costs the
-peer the generic path plus one encoding per call, nothing held.
+overload's name and its MessagePack bytes (a canonical encoding: ``1``, ``1.0`` and ``True``
+differ). A session keeps at most :data:`MAX_PLANS` shapes (then starts over), each of a call
+whose key is at most :data:`MAX_KEY` bytes (larger calls run the generic kernel: per-call
+overhead matters for small calls), so what plans hold is bounded per session (a few MB at
+most, uncharged, as poison records are), and a client sending ever new shapes costs the peer
+the generic path plus one encoding per call.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from ...protocol import aten as A
 from ...protocol.codec import packb
 from .program import _maker, _scalar_count, _slot
 
-#: Call shapes one kernel remembers (a few per overload in real code; the cache starts over when full).
-MAX_PLANS = 64
+#: Call shapes one session remembers (a few per overload in real code; the cache starts over when full).
+MAX_PLANS = 512
+#: The longest key (bytes) of a call shape that gets a plan.
+MAX_KEY = 1024
 #: ``EagerPlan.run``'s answer when the generic kernel must run the call (nothing was done yet).
 GENERIC = object()
 _Tensor, _uint8, _empty = torch.Tensor, torch.uint8, torch.empty
@@ -103,7 +108,7 @@ class EagerPlan:
                     and r.storage_offset() == off:
                 st = r.untyped_storage()
                 if st.nbytes() >= nb and st.data_ptr() not in ptrs:
-                    stored.append(_empty((0,), dtype=_uint8, device=dev).set_(st))  # (aten.as_storage)
+                    stored.append(_empty((0,), dtype=_uint8, device=r.device).set_(st))  # (aten.as_storage)
                     continue
             stored.append(k._store(r, spec, tensors))  # copies into the spec's layout, or says what is wrong
         return stored[0] if len(stored) == 1 else tuple(stored)
@@ -111,12 +116,15 @@ class EagerPlan:
 
 def plan_for(k: Any, plans: dict[bytes, Any], a: Any, l: Any, o: Any, dtypes: dict[str, Any],  # noqa: E741
              itemsize: dict[str, int], scalar: Any) -> EagerPlan | None:
-    """The kernel ``k``'s plan for this call shape (made on first sight), or None: the generic kernel."""
+    """The kernel ``k``'s plan for this call shape in the session's ``plans`` (made on first sight), or None:
+    the generic kernel."""
     if type(o) is not list or type(l) is not list or type(a) is not list or len(a) != len(k.args):
         return None
     try:
-        key = packb((a, l, o))
+        key = packb((k.name, a, l, o))
     except Exception:  # noqa: BLE001 - not encodable (a huge int...): the generic kernel says what is wrong
+        return None
+    if len(key) > MAX_KEY:
         return None
     p = plans.get(key, GENERIC)
     if p is GENERIC:

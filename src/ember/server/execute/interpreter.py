@@ -513,14 +513,7 @@ class Interpreter(GraphReplay, Holdings):
         small = self._small_bytes
         flat = small(v) if small is not None else None
         if flat is not None:  # what the general way below answers for it, with fewer steps
-            n = len(flat)
-            out.append([req, m.OK, ["uint8", [n], 0, flat, n]])
-            self._out_bytes += n
-            if self._out_bytes > self.limits["chunk"]:
-                self.respond(out[:])
-                out.clear()
-                self._out_bytes = 0
-            return
+            return self._answer_read(req, "uint8", [len(flat)], flat, out)
         staging = host_copy_bytes(self.backend.kind, v)
         if staging:  # the host copy is charged before it is made
             try:
@@ -542,13 +535,7 @@ class Interpreter(GraphReplay, Holdings):
                 self.respond([[req, m.OK, [dt, shape, 0, None, total]]], flat, staging)  # a copy stays counted
                 return
             if total <= chunk:
-                out.append([req, m.OK, [dt, shape, 0, flat, total]])
-                self._out_bytes += total
-                if self._out_bytes > chunk:  # many reads in one batch: answer in frames of about a chunk
-                    self.respond(out[:])
-                    out.clear()
-                    self._out_bytes = 0
-                return
+                return self._answer_read(req, dt, shape, flat, out)
             self.respond(out[:])  # keep order: earlier answers first
             out.clear()
             self._out_bytes = 0
@@ -558,6 +545,15 @@ class Interpreter(GraphReplay, Holdings):
             self.respond([[req, m.OK, [dt, shape, last, flat[last:], total]]])
         finally:
             self.mem.release(staging)
+
+    def _answer_read(self, req: int, dt: str, shape: list[int], flat: memoryview, out: list[list[Any]]) -> None:
+        """A read's answer of at most a chunk, in the batch's answers."""
+        out.append([req, m.OK, [dt, shape, 0, flat, len(flat)]])
+        self._out_bytes += len(flat)
+        if self._out_bytes > self.limits["chunk"]:  # many reads in one batch: answer in frames of about a chunk
+            self.respond(out[:])
+            out.clear()
+            self._out_bytes = 0
 
     def shape(self, msg: list[Any], out: list[list[Any]]) -> None:
         _, req, tid = msg
