@@ -293,7 +293,8 @@ def round_trips(devs: dict[str, ember.Device], n: int) -> dict[str, Any]:
 
     def pct(v: list[float]) -> dict[str, float]:
         v = sorted(v)
-        return {"p50_us": round(v[len(v) // 2] * 1e6, 1), "p99_us": round(v[int(0.99 * (len(v) - 1))] * 1e6, 1)}
+        return {"p50_us": round(v[len(v) // 2] * 1e6, 1), "p90_us": round(v[int(0.9 * (len(v) - 1))] * 1e6, 1),
+                "p99_us": round(v[int(0.99 * (len(v) - 1))] * 1e6, 1)}
     echo, port = start_echo()
     try:
         out = {"raw_tcp": pct(tcp_latency(port, n)), "raw_tcp_blocking": pct(blocking_tcp_latency(port, n)),
@@ -455,8 +456,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [f"ember.torch benchmarks (torch {r['torch']}, {r['steps']} steps, median of {r['repeat']})"]
     rt = r["figures"].get("round_trip")
     if rt:
-        lines.append("  one round trip (µs, p50 / p99): " + ", ".join(
-            f"{k} {v['p50_us']} / {v['p99_us']}" + (f" ({v['x_raw_tcp']}x raw TCP)" if "x_raw_tcp" in v else "")
+        lines.append("  one round trip (µs, p50 / p90 / p99): " + ", ".join(
+            f"{k} {v['p50_us']} / {v.get('p90_us')} / {v['p99_us']}" + (f" ({v['x_raw_tcp']}x raw TCP)" if "x_raw_tcp" in v else "")
             for k, v in rt.items()))
     for name in WORKLOADS:
         if name not in r["figures"]:

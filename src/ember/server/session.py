@@ -132,6 +132,9 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
     trust = getattr(conn, "trust", None)
     if trust is not None:
         trust()
+    pull = getattr(conn, "pull", None)  # (TCP: the pump reads each frame itself, a loop turn sooner)
+    if pull is not None:
+        pull()
     loop = asyncio.get_running_loop()
     session = Session(server, conn, hello, loop, identity)
     server.sessions[session.session_id] = session

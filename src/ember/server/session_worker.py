@@ -257,14 +257,23 @@ class Session:
         if fatal is not None:
             self._on_fatal(*fatal)
 
+    def _run_here(self, batch: list[list[Any]], received: float) -> None:
+        """Run a batch on this thread (inline on the loop, or a caller's: ``direct``), with NumPy's IEEE
+        semantics (nan/inf results, no warnings) as on the worker; a torch device computes nothing with
+        NumPy, so it runs without that (costly) context."""
+        if self.interp._aten:
+            self._run(batch, received, True)
+            return
+        with np.errstate(all="ignore"):
+            self._run(batch, received, True)
+
     def submit(self, batch: list[list[Any]], frame_bytes: int = 0) -> bool:
         """On the loop: run a tiny, cheap batch inline when the worker is idle (True), else queue it."""
         received = time.perf_counter() if self.interp.probe.active else 0.0
         if self.inline and self.queued == self.done and self.interp.cheap(batch) and self._run_lock.acquire(False):
             self.now = []
             try:
-                with np.errstate(all="ignore"):
-                    self._run(batch, received, True)
+                self._run_here(batch, received)
             finally:
                 self._run_lock.release()
             return True
@@ -304,8 +313,7 @@ class Session:
             out = self._direct_out = []
             self._direct_thread = threading.get_ident()
             try:
-                with np.errstate(all="ignore"):
-                    self._run(batch, received, True)
+                self._run_here(batch, received)
             finally:
                 self._direct_out = None
             for f in out:

@@ -11,7 +11,8 @@ Plain TCP moves bulk data without copies in Python: a gathered frame (a header a
 view of an array) leaves with one ``sendmsg``, and a data frame's payload is read with
 ``recv_into`` straight into the buffer the data sink names (see ``transport.base``).
 Small frames are parsed out of a 256 KiB staging buffer, so a burst of small frames costs
-one system call. Sends hold no reference to the caller's buffers once they return:
+one system call. A read task reads ahead into a short queue; a server's session stream, once
+trusted, is read by its consumer itself (``TcpConnection.pull``: one loop turn less per request). Sends hold no reference to the caller's buffers once they return:
 ``sendmsg`` either hands bytes to the kernel or waits for room. Over TLS the ``ssl``
 module copies anyway; there the connection runs on asyncio streams. A client's plain
 connection also lends itself to blocking round trips on the caller's thread while nothing
@@ -32,6 +33,7 @@ from ..protocol import codec
 from ..protocol import messages as pm
 from .base import PRE_AUTH_FRAME, DataSink, Frame, SessionHandler, bind_error, frame_parts
 from .tcp_exchange import CalmLink
+from .tcp_io import SocketIO, StreamIO, tune
 
 log = logging.getLogger("ember.transport.tcp")
 
@@ -43,6 +45,16 @@ _DIRECT = 64 * 1024        # frames at least this large are read into their own 
 _SMALL_SEND = 64 * 1024    # smaller frames are joined with their prefix and sent with one send()
 _CLOSE_STEP = 1.0
 _EOF = object()
+_PULL = object()  # the read task's last item once the consumer reads itself (``TcpConnection.pull``)
+
+
+def _ended(e: Exception, remote: str) -> ConnectionError:
+    """What a read that failed with ``e`` tells the stream's consumer."""
+    if isinstance(e, ConnectionError):
+        return e
+    if isinstance(e, (OSError, LimitExceeded)):
+        return ConnectionError(str(e))
+    return ConnectionError(f"{remote}: {e}")  # a malformed envelope
 
 
 def parse_address(address: str) -> tuple[str, int, bool]:
@@ -52,146 +64,6 @@ def parse_address(address: str) -> tuple[str, int, bool]:
     if not sep or scheme not in ("tcp", "tcps") or not colon or not port.isdigit() or not host:
         raise ConnectError(f"malformed TCP address {address!r}", hint="use tcp://HOST:PORT, e.g. tcp://127.0.0.1:7000")
     return host.strip("[]"), int(port), scheme == "tcps"
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setblocking(False)
-    with suppress(OSError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _wake(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-class _SocketIO:
-    """Plain TCP: ``recv_into`` and ``sendmsg`` on a non-blocking socket.
-
-    ``watch`` (a server's connections): the socket stays registered with the loop between reads
-    and the loop's callback reads into the waiting view, and a read that drained the socket does
-    not try again before waiting: a request costs one ``recv`` and no ``epoll_ctl`` (asyncio's
-    ``sock_recv_into`` costs two failed reads and two ``epoll_ctl`` calls per wait)."""
-
-    def __init__(self, sock: socket.socket, watch: bool = False) -> None:
-        self.sock = sock
-        self.loop = asyncio.get_running_loop()
-        self.watch = watch
-        self._want: tuple[memoryview, asyncio.Future] | None = None
-        self._watching = False
-        self._drained = False  # the last read took less than it could: the socket is empty
-
-    async def recv_into(self, view: memoryview) -> int:
-        if not self.watch:
-            try:
-                return self.sock.recv_into(view)
-            except (BlockingIOError, InterruptedError):
-                return await self.loop.sock_recv_into(self.sock, view)
-        if not self._drained:
-            try:
-                n = self.sock.recv_into(view)
-                self._drained = n < len(view)
-                return n
-            except (BlockingIOError, InterruptedError):
-                pass
-        fut = self.loop.create_future()
-        self._want = (view, fut)
-        if not self._watching:
-            self.loop.add_reader(self.sock.fileno(), self._readable)
-            self._watching = True
-        try:
-            n = await fut
-        finally:
-            self._want = None
-        self._drained = n < len(view)
-        return n
-
-    def _readable(self) -> None:
-        want = self._want
-        if want is None or want[1].done():  # nobody reads now: stop watching until someone does
-            self._unwatch()
-            return
-        view, fut = want
-        try:
-            n = self.sock.recv_into(view)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:
-            self._want = None
-            fut.set_exception(e)
-            return
-        self._want = None
-        fut.set_result(n)
-
-    def _unwatch(self) -> None:
-        if self._watching:
-            self._watching = False
-            with suppress(Exception):
-                self.loop.remove_reader(self.sock.fileno())
-
-    async def write(self, parts: list[Any]) -> None:
-        sock = self.sock
-        if len(parts) == 1:
-            data = parts[0]
-            try:
-                sent = sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            if sent == len(data):
-                return
-            parts = [memoryview(data)[sent:]]
-        while True:
-            try:
-                sent = sock.sendmsg(parts)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            while parts and sent >= len(parts[0]):
-                sent -= len(parts.pop(0))
-            if not parts:
-                return
-            if sent:
-                parts[0] = memoryview(parts[0])[sent:]
-            fut = self.loop.create_future()
-            self.loop.add_writer(sock.fileno(), _wake, fut)
-            try:
-                await fut
-            finally:
-                self.loop.remove_writer(sock.fileno())
-
-    def shutdown(self) -> None:
-        with suppress(OSError):
-            self.sock.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        self._unwatch()
-        with suppress(OSError):
-            self.sock.close()
-
-
-class _StreamIO:
-    """TLS: asyncio streams (the ``ssl`` module copies the bytes anyway)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    async def recv_into(self, view: memoryview) -> int:
-        data = await self.reader.read(len(view))
-        view[:len(data)] = data
-        return len(data)
-
-    async def write(self, parts: list[Any]) -> None:
-        for p in parts:
-            self.writer.write(p)  # copied into the TLS buffer: nothing of ours is kept
-        await self.writer.drain()
-
-    def shutdown(self) -> None:
-        with suppress(Exception):
-            if self.writer.can_write_eof():
-                self.writer.write_eof()
-
-    def close(self) -> None:
-        with suppress(Exception):
-            self.writer.close()
 
 
 class TcpConnection:
@@ -221,6 +93,9 @@ class TcpConnection:
         self._view = memoryview(self._stage)
         self._start = self._end = 0
         self._expect_preamble = expect_preamble
+        self._pull = self._pulling = False  # (``pull``: asked for; the read task has handed over)
+        self._pull_lock = asyncio.Lock()
+        self._end_item: Any = None  # once pulling: how the stream ended (_EOF or the error)
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
     def trust(self) -> None:
@@ -294,37 +169,72 @@ class TcpConnection:
             while True:
                 if self.calm is not None and self._start == self._end:
                     await self.calm.idle()  # (parked while a caller's thread has the link)
-                if not await self._fill(4):
+                if self._pull:  # from here on the consumer reads each frame itself (``pull``)
+                    await self._put(_PULL)
+                    return
+                frame = await self._frame(True)
+                if frame is _EOF:
                     await self._put(_EOF)
                     return
-                n = int.from_bytes(self._take(4), "big")
-                if n > self.max_frame:
-                    raise LimitExceeded(f"incoming frame of {n} bytes exceeds the limit of {self.max_frame} bytes")
-                if n < _DIRECT:
-                    await self._fill(n)
-                    await self._put(bytes(self._take(n)))
-                    if self._trusted is not None:  # the first frame: nothing more until it is judged
-                        await self._trusted.wait()
-                        self._trusted = None
-                        self._grow_stage()
-                    continue
-                while self._big:  # one large frame waits for the reader at most: no buffering below back-pressure
-                    self._taken.clear()
-                    await self._taken.wait()
-                frame = await self._read_data(n) if self._sink is not None else None
-                if frame is None:
-                    buf = bytearray(n)
-                    await self._read_into(memoryview(buf))
-                    frame = buf
                 if len(frame) >= _DIRECT:
                     self._big += 1
                 await self._put(frame)
+                if self._trusted is not None:  # the first frame: nothing more until it is judged
+                    await self._trusted.wait()
+                    self._trusted = None
+                    self._grow_stage()
         except asyncio.CancelledError:
             raise
-        except (ConnectionError, OSError, LimitExceeded) as e:
-            await self._put(e if isinstance(e, ConnectionError) else ConnectionError(str(e)))
-        except Exception as e:  # noqa: BLE001 - a malformed envelope: the stream is unusable
-            await self._put(ConnectionError(f"{self.remote}: {e}"))
+        except Exception as e:  # noqa: BLE001 - broken, or a malformed envelope: the stream is unusable
+            await self._put(_ended(e, self.remote))
+
+    async def _frame(self, read_ahead: bool) -> Any:
+        """The next frame (``_EOF`` at a clean end before it). ``read_ahead`` (the read task): a large
+        frame waits until the reader took the one before, so nothing is buffered below back-pressure."""
+        if not await self._fill(4):
+            return _EOF
+        n = int.from_bytes(self._take(4), "big")
+        if n > self.max_frame:
+            raise LimitExceeded(f"incoming frame of {n} bytes exceeds the limit of {self.max_frame} bytes")
+        if n < _DIRECT:
+            await self._fill(n)
+            return bytes(self._take(n))
+        while read_ahead and self._big:
+            self._taken.clear()
+            await self._taken.wait()
+        frame = await self._read_data(n) if self._sink is not None else None
+        if frame is None:
+            buf = bytearray(n)
+            await self._read_into(memoryview(buf))
+            frame = buf
+        return frame
+
+    def pull(self) -> None:
+        """A server's session stream, once trusted: its consumer reads each frame itself in ``recv`` (the
+        read task hands over at the next frame boundary), a loop turn less per frame than through the read
+        task's queue. Only the consumer's reads then take bytes off the socket: back-pressure as before."""
+        self._pull = True
+
+    async def _pulled(self) -> bytes | bytearray | None:
+        """``recv`` once pulling: the next frame, read on the caller's task (one reader at a time)."""
+        async with self._pull_lock:
+            end = self._end_item
+            if end is None:
+                try:
+                    frame = await self._frame(False)
+                except asyncio.CancelledError:  # (its consumer is leaving) a read cut short ends the framing
+                    self._end_item = ConnectionError(f"a read from {self.remote} was cancelled midway")
+                    raise
+                except Exception as e:  # noqa: BLE001 - as the read task: the stream ends, typed
+                    end = _EOF if self._closed else _ended(e, self.remote)  # (closed here: a clean end)
+                else:
+                    if frame is not _EOF:
+                        return frame
+                    end = _EOF
+                self._end_item = end
+        if end is _EOF:
+            return None
+        raise type(end)(str(end))
 
     async def _read_data(self, n: int) -> bytes | bytearray | None:
         """A large frame of ``n`` bytes: a data frame's payload goes where the sink says (its head is
@@ -352,10 +262,16 @@ class TcpConnection:
             await self._q.put(item)
 
     async def recv(self) -> bytes | None:
-        """Next frame, ``None`` at a clean end; ``ConnectionError`` if broken. Cancel-safe."""
+        """Next frame, ``None`` at a clean end; ``ConnectionError`` if broken. Cancel-safe while the read
+        task reads (once ``pull``-ing, a cancelled recv ends the stream)."""
         if self._closed:
             return None
+        if self._pulling:
+            return await self._pulled()
         item = await self._q.get()
+        if item is _PULL:
+            self._pulling = True
+            return await self._pulled()
         if item is _EOF or isinstance(item, BaseException):
             with suppress(asyncio.QueueFull):
                 self._q.put_nowait(item)  # every later recv sees the same end
@@ -471,8 +387,8 @@ class TcpListener:
                 log.warning("accept failed: %s", e)
                 await asyncio.sleep(0.1)
                 continue
-            _tune(sock)
-            conn = TcpConnection(_SocketIO(sock, watch=True), f"{addr[0]}:{addr[1]}", max_frame=self.max_frame,
+            tune(sock)
+            conn = TcpConnection(SocketIO(sock, watch=True), f"{addr[0]}:{addr[1]}", max_frame=self.max_frame,
                                  expect_preamble=True)
             self._spawn(conn)
 
@@ -482,7 +398,7 @@ class TcpListener:
         if sock is not None:
             with suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = TcpConnection(_StreamIO(reader, writer), f"{peer[0]}:{peer[1]}", max_frame=self.max_frame,
+        conn = TcpConnection(StreamIO(reader, writer), f"{peer[0]}:{peer[1]}", max_frame=self.max_frame,
                              expect_preamble=True)
         await self._serve(conn)
 
@@ -531,7 +447,7 @@ async def dial(address: str, *, timeout: float, max_frame: int, ssl: _ssl.SSLCon
                 with suppress(OSError):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             writer.write(PREAMBLE)
-            io: Any = _StreamIO(reader, writer)
+            io: Any = StreamIO(reader, writer)
         else:
             io = await asyncio.wait_for(_connect(host, port), timeout)
             await io.write([PREAMBLE])
@@ -546,16 +462,16 @@ async def dial(address: str, *, timeout: float, max_frame: int, ssl: _ssl.SSLCon
     return TcpConnection(io, address, max_frame=max_frame)
 
 
-async def _connect(host: str, port: int) -> _SocketIO:
+async def _connect(host: str, port: int) -> SocketIO:
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     err: OSError | None = None
     for family, type_, proto, _, addr in infos:
         sock = socket.socket(family, type_, proto)
-        _tune(sock)
+        tune(sock)
         try:
             await loop.sock_connect(sock, addr)
-            return _SocketIO(sock)
+            return SocketIO(sock)
         except OSError as e:
             sock.close()
             err = e

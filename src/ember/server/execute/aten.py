@@ -27,6 +27,7 @@ import torch
 from ...protocol import aten as A
 from . import positions, rnn_cells, rnn_layer
 from .backends import UnknownOp
+from .eager import GENERIC, plan_for
 from .session_random import SessionRandom
 
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in A.DTYPES if isinstance(getattr(torch, n, None),
@@ -140,11 +141,13 @@ def as_storage(t: torch.Tensor) -> torch.Tensor:
 class AtenKernel:
     """One vetted overload: binds a message's template to the schema, runs it, stores the results."""
 
-    def __init__(self, name: str, op: Any, device: torch.device, rng: SessionRandom) -> None:
+    def __init__(self, name: str, op: Any, device: torch.device, rng: SessionRandom,
+                 plans: dict[bytes, Any] | None = None) -> None:
         self.name, self.op, self.device, self.rng = name, op, device, rng
         args = op._schema.arguments
         self.args = [(a.name, A.category(str(a.real_type)), str(a.real_type), a.kwarg_only) for a in args]
         self.writes = [bool(a.alias_info is not None and a.alias_info.is_write) for a in args]
+        self.writes_any = any(self.writes)
         self.seeded = torch.Tag.nondeterministic_seeded in op.tags and not any(c == A.GENERATOR
                                                                                 for _, c, _, _ in self.args)
         self.resize = name.split(".")[1] in _RESIZE
@@ -156,10 +159,15 @@ class AtenKernel:
         self.unsafe_ok = self.check is not None and name.split(".")[1] in positions.UNSAFE_CHECKED
         #: elementwise, no random stream, no resize: on small operands, cheap enough for the network loop
         self.pointwise = torch.Tag.pointwise in op.tags and not self.seeded and not self.resize
+        #: the session's call shapes bound once (:mod:`.eager`), for an overload that writes no operand and
+        #: needs no position check; else None
+        self.plans = None if self.resize or self.check is not None or self.writes_any else plans
 
     def written(self, kwargs: Any) -> list[int]:
         """Positions (among the message's args: the scalar list, then the operands) of the operands this
         call writes."""
+        if not self.writes_any:
+            return []
         tmpl = kwargs.get("a") if isinstance(kwargs, dict) else None
         out: list[int] = []
         k = 1
@@ -176,6 +184,13 @@ class AtenKernel:
         if not isinstance(l, list) or not isinstance(a, list) or len(a) != len(self.args) \
                 or len(l) != len(bufs) or not isinstance(scalars, list):
             raise ValueError(f"malformed ATen call of {self.name}: the template does not match its schema")
+        plans = self.plans
+        if plans is not None:  # a call shape seen before: bound and checked once (eager.py)
+            p = plan_for(self, plans, a, l, o, DTYPES, ITEMSIZE, _scalar)
+            if p is not None:
+                r = p.run(self, scalars, bufs)
+                if r is not GENERIC:
+                    return r
         dev = self.device
         tensors = [operand(b, lay, dev) for b, lay in zip(bufs, l)]
         args, kwargs, before = self._bind(a, tensors, scalars)
@@ -200,6 +215,12 @@ class AtenKernel:
         if self.special is not None:
             return self.special(args, kwargs)
         return self.draw(args, kwargs) if self.draw is not None else self.op(*args, **kwargs)
+
+    def follow_and_call(self, call: Callable[[list[Any], list[Any]], Any], tensors: list[Any], S: list[Any]) -> Any:
+        """A bound call (:mod:`.eager`) with this process's peer thread count, as :meth:`run` makes it."""
+        if THREADS[0] is not None:
+            _follow_threads()
+        return call(tensors, S)
 
     @staticmethod
     def respan(bufs: Any) -> None:
@@ -444,6 +465,7 @@ class AtenOps(dict):  # type: ignore[type-arg]
         super().__init__(base)
         self.device = device
         self.rng = SessionRandom(device)
+        self.plans: dict[bytes, Any] = {}  # eager call shapes bound once (eager.py), for all its kernels
         self.update(internal_ops(device, self.rng, max_tensor))
         make = base.get(SESSION_OPS)  # type: ignore[call-overload]
         if make is not None:
@@ -457,7 +479,7 @@ class AtenOps(dict):  # type: ignore[type-arg]
         op = _overload(p[1], p[2]) if len(p) == 3 else None
         fn: Callable[..., Any]
         if why is None:
-            fn = AtenKernel(name, op, self.device, self.rng)
+            fn = AtenKernel(name, op, self.device, self.rng, self.plans)
         elif op is not None:  # refused, but what it would write is known: that gets the poison
             fn = Refused(why, AtenKernel(name, op, self.device, self.rng).written)
         else:

@@ -61,6 +61,22 @@ class Backend:
             return torch.tensor(arr, device=self.device)  # one copy, into torch's own (resizable) memory
         return self.xp.asarray(arr, device=self.device)
 
+    def small_bytes(self, limit: int) -> Any:
+        """For a torch CPU device: ``f(x)``, the bytes of a stored storage value (a flat ``uint8`` tensor of
+        at most ``limit`` bytes) as a memoryview of its own memory, or None for anything else (read through
+        :meth:`to_host`). None on other devices."""
+        if self.kind != "torch" or getattr(self.device, "type", None) != "cpu":
+            return None
+        import torch
+        tensor, u8 = torch.Tensor, torch.uint8
+
+        def f(x: Any) -> memoryview | None:
+            if type(x) is tensor and x.dtype is u8 and x.dim() == 1 and x.numel() <= limit \
+                    and x.is_contiguous() and not x.requires_grad and x.device.type == "cpu":
+                return memoryview(x.numpy())
+            return None
+        return f
+
     def to_host(self, x: Any) -> np.ndarray:
         """Array on this device -> C-contiguous host NumPy array."""
         if self.kind == "numpy":

@@ -1,0 +1,141 @@
+"""An eager ATen call bound once per template: the generic kernel's checks, made once per call shape.
+
+:meth:`AtenKernel.__call__ <ember.server.execute.aten.AtenKernel.__call__>` binds a message's
+template to the overload's schema (:meth:`AtenKernel._bind`), checks each layout's extent and
+each output spec on every call. A client sends the same few call shapes again and again (the
+template ``a``, the operand layouts ``l`` and the output specs ``o`` of ``(a + 1).item()`` are the
+same every time; only the scalars' values and the storages change), so the kernel keeps, per
+call shape, what those checks found (:class:`EagerPlan`): the overload's call made once from the
+bound template (``program._maker``, as a replayed graph's fast step), each operand's typed layout
+and extent, each output's spec. A call of a known shape then only checks what may differ
+between calls: that each operand names a storage holding its layout, that the scalars are
+numbers, and that each result is exactly what its spec says (else the generic ``_store`` copies
+it into its layout or says why, as the generic kernel does).
+
+Only calls that write no operand, resize nothing, and whose kernel needs no position check
+(:mod:`.positions`) take this way; everything else, and any call the plan's checks do not
+accept, runs the generic kernel (same errors, same results). The call shape is keyed by its
+overload's name and its MessagePack bytes (a canonical encoding: ``1``, ``1.0`` and ``True``
+differ). A session keeps at most :data:`MAX_PLANS` shapes (then starts over), each of a call
+whose key is at most :data:`MAX_KEY` bytes (larger calls run the generic kernel: per-call
+overhead matters for small calls), so what plans hold is bounded per session (a few MB at
+most, uncharged, as poison records are), and a client sending ever new shapes costs the peer
+the generic path plus one encoding per call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...protocol import aten as A
+from ...protocol.codec import packb
+from .program import _maker, _scalar_count, _slot
+
+#: Call shapes one session remembers (a few per overload in real code; the cache starts over when full).
+MAX_PLANS = 512
+#: The longest key (bytes) of a call shape that gets a plan.
+MAX_KEY = 1024
+#: ``EagerPlan.run``'s answer when the generic kernel must run the call (nothing was done yet).
+GENERIC = object()
+_Tensor, _uint8, _empty = torch.Tensor, torch.uint8, torch.empty
+
+
+class EagerPlan:
+    """One call shape of one overload, bound and checked once (see the module docstring)."""
+
+    __slots__ = ("call", "n_scal", "lays", "outs", "device", "scalar")
+
+    def __init__(self, k: Any, a: list[Any], lays: list[Any], specs: list[Any], dtypes: dict[str, Any],
+                 itemsize: dict[str, int], scalar: Any) -> None:
+        self.device, self.scalar = k.device, scalar
+        self.lays = []
+        for lay in lays:
+            need = A.layout_extent(lay, itemsize)  # raises on a malformed layout: no plan, the generic path
+            self.lays.append((dtypes[lay[3]], lay[2], list(lay[0]), list(lay[1]), need))
+        marks = [torch.empty(0) for _ in lays]  # bound once with markers, as Program._lower does
+        self.n_scal = _scalar_count(k, a, A)
+        smarks = [float(j) + 0.5 for j in range(self.n_scal)]
+        args, kwargs, before = k._bind(a, marks, smarks)
+        if before:
+            raise ValueError("writes an operand")  # (never planned: the generic kernel keeps its layout)
+        tid = {id(t): j for j, t in enumerate(marks)}
+        sid = {id(x): j for j, x in enumerate(smarks)}
+        plan = [_slot(v, tid, sid) for v in args]
+        kwplan = {n: _slot(v, tid, sid) for n, v in kwargs.items()}
+        self.call = _maker(plan, kwplan, k.op._op if k.draw is None else None, k.draw, None,
+                           len(lays))(list(range(len(lays))))
+        self.outs = []
+        for spec in specs:
+            if not isinstance(spec, list) or len(spec) != 6 or type(spec[0]) is not int or spec[0] < 0:
+                raise ValueError("malformed output spec")
+            _, size, stride, offset, dtype, nb = spec
+            if type(nb) is not int or not A.layout_extent([size, stride, offset, dtype], itemsize) <= nb <= A.INT64[1]:
+                raise ValueError("output spec cannot hold its layout")
+            self.outs.append((spec[0], torch.Size(size), tuple(stride), offset, dtypes[dtype], nb, spec))
+
+    def run(self, k: Any, scalars: Any, bufs: tuple[Any, ...]) -> Any:
+        """The call's stored results, or ``GENERIC`` (before anything ran) when the generic kernel must
+        judge it. Raises what the kernel raises, or what the generic ``_store`` says of a result."""
+        lays = self.lays
+        if len(bufs) != len(lays) or type(scalars) is not list or len(scalars) != self.n_scal:
+            return GENERIC
+        dev = self.device
+        tensors = []
+        ptrs = []  # the operands' memory: a result there is copied, never adopted (as ``_store`` does)
+        for b, (dt, off, size, stride, need) in zip(bufs, lays):
+            if type(b) is not _Tensor or b.dtype is not _uint8 or b.dim() != 1 or b.storage_offset() != 0:
+                return GENERIC
+            st = b.untyped_storage()
+            if need > st.nbytes():
+                return GENERIC
+            tensors.append(_empty((0,), dtype=dt, device=dev).set_(st, off, size, stride))
+            ptrs.append(st.data_ptr())
+        scalar = self.scalar
+        try:
+            S = [scalar(x) for x in scalars]
+        except ValueError:
+            return GENERIC
+        res = k.follow_and_call(self.call, tensors, S)
+        flat = res if isinstance(res, (tuple, list)) else (res,)
+        stored = []
+        for idx, size, stride, off, dt, nb, spec in self.outs:
+            if idx >= len(flat):
+                return k._results(res, [o[6] for o in self.outs], tensors)  # raises why
+            r = flat[idx]
+            if type(r) is _Tensor and r.dtype is dt and r.shape == size and r.stride() == stride \
+                    and r.storage_offset() == off:
+                st = r.untyped_storage()
+                if st.nbytes() >= nb and st.data_ptr() not in ptrs:
+                    stored.append(_empty((0,), dtype=_uint8, device=r.device).set_(st))  # (aten.as_storage)
+                    continue
+            stored.append(k._store(r, spec, tensors))  # copies into the spec's layout, or says what is wrong
+        return stored[0] if len(stored) == 1 else tuple(stored)
+
+
+def plan_for(k: Any, plans: dict[bytes, Any], a: Any, l: Any, o: Any, dtypes: dict[str, Any],  # noqa: E741
+             itemsize: dict[str, int], scalar: Any) -> EagerPlan | None:
+    """The kernel ``k``'s plan for this call shape in the session's ``plans`` (made on first sight), or None:
+    the generic kernel."""
+    if type(o) is not list or type(l) is not list or type(a) is not list or len(a) != len(k.args):
+        return None
+    try:
+        key = packb((k.name, a, l, o))
+    except Exception:  # noqa: BLE001 - not encodable (a huge int...): the generic kernel says what is wrong
+        return None
+    if len(key) > MAX_KEY:
+        return None
+    p = plans.get(key, GENERIC)
+    if p is GENERIC:
+        try:
+            p = EagerPlan(k, a, l, o, dtypes, itemsize, scalar)
+        except Exception:  # noqa: BLE001 - the generic kernel says what is wrong, at the call
+            p = None
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plans[key] = p
+    return p
+
+
+__all__ = ["EagerPlan", "plan_for", "GENERIC", "MAX_PLANS"]
