@@ -43,7 +43,7 @@ def _walk(i: OpInfo, values: list[Any]) -> tuple[list[Any], list[torch.Tensor], 
     refs: list[StorageRef] = []
     scalars: list[Any] = []
     key: list[Any] = []
-    distinct: list[StorageRef] = []
+    distinct: dict[int, int] = {}  # id(storage ref) -> its alias group (first use order)
     for (name, cat, _kw, _d), v in zip(i.args, values):
         if cat == A.TENSOR:
             template.append(_tensor_entry(v, operands, refs, distinct, scalars, key, name, i))
@@ -113,7 +113,7 @@ def layouts_of(operands: list[torch.Tensor]) -> list[list[Any]]:
     return [[list(t.shape), list(t.stride()), t.storage_offset(), dtype_name(t.dtype)] for t in operands]
 
 
-def _tensor_entry(v: Any, operands: list[torch.Tensor], refs: list[StorageRef], distinct: list[StorageRef],
+def _tensor_entry(v: Any, operands: list[torch.Tensor], refs: list[StorageRef], distinct: dict[int, int],
                   scalars: list[Any], key: list[Any], name: str, i: OpInfo) -> Any:
     if v is None:
         key.append(None)
@@ -131,12 +131,7 @@ def _tensor_entry(v: Any, operands: list[torch.Tensor], refs: list[StorageRef], 
                     f"Expected all tensors to be on the same device, but found at least two devices, ember:0 "
                     f"and {v.device}! (argument {name} of {i.name})",
                     hint="move the CPU tensor with .to('ember') first")
-        for alias, d in enumerate(distinct):
-            if d is r:
-                break
-        else:
-            alias = len(distinct)
-            distinct.append(r)
+        alias = distinct.setdefault(id(r), len(distinct))  # (refs stay alive in `refs`: ids are not reused)
         operands.append(v)
         refs.append(r)
         key.append((v.dtype, v.shape, v.stride(), v.storage_offset(), alias))
