@@ -33,6 +33,8 @@ SPECIAL: dict[int, Callable[..., Any]] = {}
 counters = {"ops": 0, "messages": 0, "cache_misses": 0}
 #: Set while ``ember.torch.capture`` records a step: told each call's operand and fresh storages.
 note: Callable[[list[StorageRef], list[StorageRef]], None] | None = None
+#: Set while an optimizer step is recorded or replayed (``_optstep``): it takes every call ``(op, args, kwargs)``.
+guide: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
 
 
 def _walk(i: OpInfo, values: list[Any]) -> tuple[list[Any], list[torch.Tensor], list[StorageRef], list[Any],
@@ -165,6 +167,17 @@ def _upload_scalar(v: torch.Tensor, refs: list[StorageRef]) -> torch.Tensor:
 
 def kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
     """Every ATen call on ember tensors (the PrivateUse1 fallback and the claimed overloads)."""
+    g = guide
+    if g is not None:
+        return g(op, args, kwargs)
+    special = SPECIAL.get(id(op))
+    if special is not None:
+        return special(op, *args, **kwargs)
+    return kernel_generic(op, *args, **kwargs)
+
+
+def unguided(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``kernel`` without the guide: what a call does when nothing intercepts it."""
     special = SPECIAL.get(id(op))
     if special is not None:
         return special(op, *args, **kwargs)
