@@ -240,3 +240,33 @@ def test_a_step_inside_a_capture_is_held_by_the_capture_not_replayed_twice() -> 
         for _ in range(8):
             step(torch.randn(8, 8).to("ember"), torch.randint(0, 4, (8,)).to("ember")).item()
         assert O.stats["replays"] == r0 and C.stats["replays"] >= c0 + 4
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_grad_scaler_step_replays_bit_equal(fused: bool) -> None:
+    """GradScaler reads found_inf outside the step (plain AdamW) or hands grad_scale and found_inf to a
+    fused step as ember tensors (graph inputs)."""
+    def run(replayed: bool) -> tuple[list[Any], float]:
+        ember.torch.capture_optimizer_steps(replayed)
+        torch.manual_seed(0)
+        m = _mlp().to("ember")
+        o = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused)
+        scaler = torch.amp.GradScaler("ember", init_scale=2.0 ** 14)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(30):
+            x, y = W.classification_batch(g, 32, (16,), 4)
+            o.zero_grad(set_to_none=True)
+            with torch.autocast("ember", dtype=torch.float16):
+                loss = F.cross_entropy(m(x.to("ember")), y.to("ember"))
+            scaler.scale(loss).backward()
+            scaler.step(o)
+            scaler.update()
+        state = [v.cpu() for st in o.state.values() for v in st.values()]
+        return [p.detach().cpu() for p in m.parameters()] + state, scaler.get_scale()
+    with ember.connect("local:torch"):
+        eager = run(False)
+        before = dict(O.stats)
+        replayed = run(True)
+    assert eager[1] == replayed[1]
+    same((eager[0], []), (replayed[0], []))
+    assert O.stats["replays"] >= before["replays"] + 27
