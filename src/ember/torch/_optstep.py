@@ -55,6 +55,7 @@ from ._schema import bound, info
 from ._storage import StorageRef, new_tensor, ref_or_none, set_layout
 
 TRIES = 4  # steps in a row that do not replay before an optimizer's steps run eagerly for good
+PLANS = 8  # recorded steps kept per optimizer (one per pattern of grads that are None), oldest dropped
 #: steps recorded, steps replayed, steps run eagerly for good, replays that ended in an eager step
 stats = {"recorded": 0, "replays": 0, "eager": 0, "diverged": 0}
 _OFF = ("0", "false", "no", "off")
@@ -421,6 +422,8 @@ class _OptimizerCapture:
         if isinstance(plan, str):
             self.missed(plan, opt)
         elif plan is not None:
+            if len(self.plans) >= PLANS:
+                self.plans.pop(next(iter(self.plans)))
             self.plans[key] = plan
         return out
 
