@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import warnings
@@ -375,8 +376,11 @@ def test_a_captured_decode_step_with_a_static_cache_is_one_replay_and_one_read_p
 def test_an_eager_lstm_step_longer_than_a_batch_is_held_whole_and_replayed(tcp_peer: str) -> None:
     """Without capture: the op-graph cache holds a step of ~1000 ops (groups up to 4096) and, when the
     step takes longer to record than the hold, learns a longer hold: the step replays. (oneDNN off: the
-    LSTM takes torch's per-step cells, as it does on peers other than a CPU, not two ops per layer.)"""
-    with ember.connect(tcp_peer) as dev, torch.backends.mkldnn.flags(enabled=False):
+    LSTM takes torch's per-step cells, as it does on peers other than a CPU, not two ops per layer. The
+    optimizer's own replay is off here: its REPLAY would end the group before the step's end, see _optstep.)"""
+    ember.torch.capture_optimizer_steps(False)
+    with ember.connect(tcp_peer) as dev, torch.backends.mkldnn.flags(enabled=False), \
+            _finally(lambda: ember.torch.capture_optimizer_steps(True)):
         s = dev.session
         torch.manual_seed(0)
         model = LSTMLM().to("ember")
@@ -396,6 +400,14 @@ def test_an_eager_lstm_step_longer_than_a_batch_is_held_whole_and_replayed(tcp_p
                 loss.item()
         n = s.stats["replays"] - r0
         assert n >= 6 and (s.stats["replayed_ops"] - ops0) / n > 512, (n, s.stats)
+
+
+@contextlib.contextmanager
+def _finally(undo: Callable[[], Any]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        undo()
 
 
 def test_autocast_on_or_off_is_a_different_program() -> None:

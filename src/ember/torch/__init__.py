@@ -41,6 +41,10 @@ from .mesh import Mesh, MeshError, MeshPeerLost, mesh  # noqa: E402
 from .data_parallel import DataParallel  # noqa: E402
 from ._capture import CaptureWarning, capture  # noqa: E402
 from ._capture import stats as capture_stats  # noqa: E402
+from ._optstep import capture_optimizer_steps, install as _install_optimizer_steps  # noqa: E402
+from ._optstep import stats as optimizer_stats  # noqa: E402
+
+_install_optimizer_steps()  # an optimizer whose parameters are all on Ember replays its step (see _optstep)
 
 
 def compiler(gm: "torch.fx.GraphModule", example_inputs: list) -> "object":  # type: ignore[name-defined]
@@ -49,5 +53,5 @@ def compiler(gm: "torch.fx.GraphModule", example_inputs: list) -> "object":  # t
     from ._compile import compiler as compile_graph
     return compile_graph(gm, example_inputs)
 
-__all__ = ["capture", "CaptureWarning", "capture_stats", "mesh", "Mesh", "MeshError", "MeshPeerLost", "DataParallel", "compiler", "to_device", "device_of", "from_array", "to_array", "current_device", "counters", "NotATorchDevice",
+__all__ = ["capture", "CaptureWarning", "capture_stats", "capture_optimizer_steps", "optimizer_stats", "mesh", "Mesh", "MeshError", "MeshPeerLost", "DataParallel", "compiler", "to_device", "device_of", "from_array", "to_array", "current_device", "counters", "NotATorchDevice",
            "WrongDevice", "UnsupportedTorch", "register"]

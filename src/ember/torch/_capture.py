@@ -34,6 +34,10 @@ host state that changes every call (a plain Adam's step count makes its bias cor
 scalars each step: use ``fused=True`` or ``capturable=True``), or never repeats -- runs eagerly
 for good, with one :class:`CaptureWarning` that says why. A replay is bit-equal to running the step eagerly: the
 peer runs the same ops on the same data.
+
+Outside a capture, an optimizer's ``step()`` on ember parameters is replayed on its own (the
+optimizer's Python still runs, its ATen calls become one ``REPLAY``): see :mod:`._optstep`.
+Inside one, the capture holds it.
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ SPECIAL: dict[int, Callable[..., Any]] = {}
 counters = {"ops": 0, "messages": 0, "cache_misses": 0}
 #: Set while ``ember.torch.capture`` records a step: told each call's operand and fresh storages.
 note: Callable[[list[StorageRef], list[StorageRef]], None] | None = None
+#: Set while an optimizer step is recorded or replayed (``_optstep``): it takes every call ``(op, args, kwargs)``.
+guide: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
 
 
 def _walk(i: OpInfo, values: list[Any]) -> tuple[list[Any], list[torch.Tensor], list[StorageRef], list[Any],
@@ -43,7 +45,7 @@ def _walk(i: OpInfo, values: list[Any]) -> tuple[list[Any], list[torch.Tensor], 
     refs: list[StorageRef] = []
     scalars: list[Any] = []
     key: list[Any] = []
-    distinct: list[StorageRef] = []
+    distinct: dict[int, int] = {}  # id(storage ref) -> its alias group (first use order)
     for (name, cat, _kw, _d), v in zip(i.args, values):
         if cat == A.TENSOR:
             template.append(_tensor_entry(v, operands, refs, distinct, scalars, key, name, i))
@@ -113,7 +115,7 @@ def layouts_of(operands: list[torch.Tensor]) -> list[list[Any]]:
     return [[list(t.shape), list(t.stride()), t.storage_offset(), dtype_name(t.dtype)] for t in operands]
 
 
-def _tensor_entry(v: Any, operands: list[torch.Tensor], refs: list[StorageRef], distinct: list[StorageRef],
+def _tensor_entry(v: Any, operands: list[torch.Tensor], refs: list[StorageRef], distinct: dict[int, int],
                   scalars: list[Any], key: list[Any], name: str, i: OpInfo) -> Any:
     if v is None:
         key.append(None)
@@ -131,12 +133,7 @@ def _tensor_entry(v: Any, operands: list[torch.Tensor], refs: list[StorageRef], 
                     f"Expected all tensors to be on the same device, but found at least two devices, ember:0 "
                     f"and {v.device}! (argument {name} of {i.name})",
                     hint="move the CPU tensor with .to('ember') first")
-        for alias, d in enumerate(distinct):
-            if d is r:
-                break
-        else:
-            alias = len(distinct)
-            distinct.append(r)
+        alias = distinct.setdefault(id(r), len(distinct))  # (refs stay alive in `refs`: ids are not reused)
         operands.append(v)
         refs.append(r)
         key.append((v.dtype, v.shape, v.stride(), v.storage_offset(), alias))
@@ -170,6 +167,17 @@ def _upload_scalar(v: torch.Tensor, refs: list[StorageRef]) -> torch.Tensor:
 
 def kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
     """Every ATen call on ember tensors (the PrivateUse1 fallback and the claimed overloads)."""
+    g = guide
+    if g is not None:
+        return g(op, args, kwargs)
+    special = SPECIAL.get(id(op))
+    if special is not None:
+        return special(op, *args, **kwargs)
+    return kernel_generic(op, *args, **kwargs)
+
+
+def unguided(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``kernel`` without the guide: what a call does when nothing intercepts it."""
     special = SPECIAL.get(id(op))
     if special is not None:
         return special(op, *args, **kwargs)
