@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 from typing import Iterator
 
@@ -73,3 +74,25 @@ def dev(request: pytest.FixtureRequest) -> Iterator[ember.Device]:
         d = ember.connect(srv.addresses[0])
         yield d
         d.close()
+
+
+@pytest.fixture(scope="module")
+def tcp_peer() -> Iterator[str]:
+    """``ember serve --device torch:cpu --tcp 127.0.0.1:0`` in its own process, for the whole module; its address."""
+    from test_core_cli import address_of, spawn_serve
+    p = spawn_serve("--device", "torch:cpu", "--no-iroh", "--tcp", "127.0.0.1:0", stderr=subprocess.DEVNULL,
+                    env={**os.environ, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        yield address_of(p, r"listening on (tcp://\S+)", timeout=45)
+    finally:
+        p.terminate()
+        p.wait(15)
+
+
+@pytest.fixture(params=["embedded", "tcp"])
+def peer(request: pytest.FixtureRequest) -> Iterator[ember.Device]:
+    """A torch device: the embedded peer, and an ``ember serve`` process over TCP (``tcp_peer``)."""
+    d = ember.connect("local:torch" if request.param == "embedded" else request.getfixturevalue("tcp_peer"))
+    with d:
+        yield d
+    d.close()

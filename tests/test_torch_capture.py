@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -18,32 +16,8 @@ import ember  # noqa: E402
 import ember.torch  # noqa: E402,F401
 from ember.torch import _capture as C  # noqa: E402
 from ember.torch import workloads as W  # noqa: E402
-from test_core_cli import address_of, spawn_serve  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def tcp_peer() -> Iterator[str]:
-    """``ember serve --device torch:cpu --tcp 127.0.0.1:0`` in its own process, for the whole module."""
-    p = spawn_serve("--device", "torch:cpu", "--no-iroh", "--tcp", "127.0.0.1:0", stderr=subprocess.DEVNULL,
-                    env={**os.environ, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-    try:
-        yield address_of(p, r"listening on (tcp://\S+)", timeout=45)
-    finally:
-        p.terminate()
-        p.wait(15)
-
-
-@pytest.fixture(params=["embedded", "tcp"])
-def peer(request: pytest.FixtureRequest) -> Iterator[ember.Device]:
-    if request.param == "embedded":
-        d = ember.connect("local:torch")
-    else:
-        d = ember.connect(request.getfixturevalue("tcp_peer"))
-    with d:
-        yield d
-    d.close()
 
 
 class LSTMLM(nn.Module):

@@ -19,29 +19,8 @@ import ember.torch  # noqa: E402,F401
 from ember.torch import _capture as C  # noqa: E402
 from ember.torch import _optstep as O  # noqa: E402
 from ember.torch import workloads as W  # noqa: E402
-from test_core_cli import address_of, spawn_serve  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def tcp_peer() -> Iterator[str]:
-    """``ember serve --device torch:cpu --tcp 127.0.0.1:0`` in its own process, for the whole module."""
-    p = spawn_serve("--device", "torch:cpu", "--no-iroh", "--tcp", "127.0.0.1:0", stderr=subprocess.DEVNULL,
-                    env={**os.environ, "EMBER_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-    try:
-        yield address_of(p, r"listening on (tcp://\S+)", timeout=45)
-    finally:
-        p.terminate()
-        p.wait(15)
-
-
-@pytest.fixture(params=["embedded", "tcp"])
-def peer(request: pytest.FixtureRequest) -> Iterator[ember.Device]:
-    d = ember.connect("local:torch" if request.param == "embedded" else request.getfixturevalue("tcp_peer"))
-    with d:
-        yield d
-    d.close()
 
 
 @pytest.fixture(autouse=True)

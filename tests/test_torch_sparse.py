@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture(params=["embedded", "websocket"])
-def peer(request: pytest.FixtureRequest) -> Iterator[None]:
+def where(request: pytest.FixtureRequest) -> Iterator[None]:
     if request.param == "embedded":
         yield
         return
@@ -70,7 +70,7 @@ CASES: dict[str, Callable[[str], Any]] = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_sparse_op_equals_cpu(name: str, peer: None) -> None:
+def test_sparse_op_equals_cpu(name: str, where: None) -> None:
     _same(CASES[name]("cpu"), CASES[name]("ember"))
 
 
@@ -81,7 +81,7 @@ def _grad(d: str) -> tuple[torch.Tensor, torch.Tensor]:
     return x.grad, x.to_sparse().to_dense()
 
 
-def test_gradients_through_sparse_ops_equal_cpu(peer: None) -> None:
+def test_gradients_through_sparse_ops_equal_cpu(where: None) -> None:
     for want, got in zip(_grad("cpu"), _grad("ember")):
         assert torch.equal(got.cpu(), want)
 
@@ -101,7 +101,7 @@ def test_what_is_not_held_fails_naming_the_op(call: Callable[[Any], Any]) -> Non
     assert torch.equal(s.to_dense().cpu(), _dense()[:, :, 0])  # the tensor and the session carry on
 
 
-def test_out_of_range_indices_are_refused_by_the_peer_not_read(peer: None) -> None:
+def test_out_of_range_indices_are_refused_by_the_peer_not_read(where: None) -> None:
     """An index past the size (made unchecked, as a hostile caller would) fails at the peer's dense index."""
     i = torch.tensor([[0, 1 << 20]], device="ember")
     s = torch.sparse_coo_tensor(i, torch.tensor([1.0, 2.0], device="ember"), (3,), check_invariants=False)
