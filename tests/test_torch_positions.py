@@ -81,20 +81,22 @@ def _edit_layout(operand: int, layout: list[Any]) -> Any:
     """Context: the next OP message's ``operand``-th tensor layout replaced (a hostile client's message)."""
     def edit(kw: dict[str, Any]) -> None:
         kw["l"][operand] = layout
-    return _edit(edit)
+    return edit_next_op(edit)
 
 
-def _edit(change: Callable[[dict[str, Any]], Any], name: str | None = None) -> Any:
-    """Context: the next OP message's template (``"a"``, ``"l"``, ``"o"``) changed by ``change``, its op renamed
-    to ``name`` if given (a hostile client's message)."""
+def edit_next_op(change: Callable[[dict[str, Any]], Any], name: str | None = None, only: str | None = None) -> Any:
+    """Context: the next OP message (of an op whose name holds ``only``, if given) has its template (``"a"``,
+    ``"l"``, ``"o"``) changed by ``change``, its op renamed to ``name`` if given (a hostile client's message)."""
     class Edit:
         def __enter__(self) -> None:
             self.s = ember.torch.current_device().session
             self.orig = self.s.record
 
             def record(msg: list[Any]) -> None:
-                if msg[0] == OP and isinstance(msg[5], dict) and "l" in msg[5] and self.s.record is record:
-                    msg = [msg[0], name or msg[1], *msg[2:5], {**msg[5], "l": [*msg[5]["l"]], "a": [*msg[5]["a"]]}]
+                if msg[0] == OP and isinstance(msg[5], dict) and "l" in msg[5] and self.s.record is record \
+                        and (only is None or only in str(msg[1])):
+                    msg = [msg[0], name or msg[1], *msg[2:5],
+                           {**msg[5], "l": [list(x) for x in msg[5]["l"]], "a": [*msg[5]["a"]]}]
                     change(msg[5])
                     self.s.record = self.orig
                 self.orig(msg)
@@ -203,7 +205,7 @@ def test_a_composite_named_directly_is_refused_on_the_peer() -> None:
     from ember.server.execute.aten import refusal
     assert "composite" in (refusal("aten.batch_norm.default") or "")
     assert refusal("aten.native_batch_norm.default") is None and refusal("aten.conj_physical.default") is None
-    with _edit(lambda kw: kw["a"].append(False), name="aten.embedding_backward.default"):
+    with edit_next_op(lambda kw: kw["a"].append(False), name="aten.embedding_backward.default"):
         with pytest.raises(RemoteExecutionError, match="composite"):
             A.embedding_dense_backward(_e(torch.randn(1, 3)), _e(torch.tensor([BIG])), 4, -1, True).cpu()
     assert (torch.arange(3.0, device=E) - 1).tolist() == [-1.0, 0.0, 1.0]

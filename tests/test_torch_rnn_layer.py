@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import ember  # noqa: E402
 import ember.torch  # noqa: E402
 from ember.errors import RemoteExecutionError  # noqa: E402
-from ember.protocol.messages import OP  # noqa: E402
 from ember.server.execute import rnn_layer  # noqa: E402
+from test_torch_positions import edit_next_op  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")]
@@ -187,22 +187,7 @@ def _layer_args(t: int = 3, n: int = 2, i: int = 4, h: int = 5) -> list[Any]:
 
 def _edited(change: Any) -> Any:
     """Context: the next LSTM layer OP message's template edited by ``change`` on its way out."""
-    class Edit:
-        def __enter__(self) -> None:
-            self.s = ember.torch.current_device().session
-            self.orig = self.s.record
-
-            def record(msg: list[Any]) -> None:
-                if msg[0] == OP and "mkldnn_rnn_layer" in str(msg[1]) and self.s.record is record:
-                    msg = [*msg[:5], {**msg[5], "l": [list(x) for x in msg[5]["l"]], "a": [*msg[5]["a"]]}]
-                    change(msg[5])
-                    self.s.record = self.orig
-                self.orig(msg)
-            self.s.record = record
-
-        def __exit__(self, *exc: Any) -> None:
-            self.s.record = self.orig
-    return Edit()
+    return edit_next_op(change, only="mkldnn_rnn_layer")
 
 
 @pytest.mark.parametrize("operand,layout,word", [
