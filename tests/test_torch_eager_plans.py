@@ -132,8 +132,8 @@ def test_the_plan_cache_is_bounded() -> None:
     planned = kernels("aten.neg.default")
     assert planned and all(len(k.plans) <= eager.MAX_PLANS for k in planned)
     big = storage(s, np.zeros(4, dtype=np.float32))
-    before = {key for k in kernels("aten.cat.default") for key in k.plans}  # (earlier tests' small cats: planned)
     many = call(s, "aten.cat.default", [], [big] * 100, {"a": [[0] * 100, 0], "l": [LAY] * 100,
                                                           "o": [[0, [400], [1], 0, "float32", 1600]]})
     assert values(s, many) == [0.0] * 400  # (a call too large to plan: the generic kernel)
-    assert {key for k in kernels("aten.cat.default") for key in k.plans} == before
+    assert not any(b"aten.cat.default" in key and key.count(b"float32") >= 100  # (earlier tests' small cats: planned)
+                   for k in kernels("aten.cat.default") for key in k.plans)
