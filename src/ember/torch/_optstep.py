@@ -51,8 +51,9 @@ from ..protocol import aten as A
 from . import _dispatch as D
 from ._capture import CaptureWarning, _Tap, recording
 from ._devices import materialize
+from ._meta import _ITEMSIZE
 from ._schema import bound, info
-from ._storage import StorageRef, new_tensor, ref_or_none, set_layout
+from ._storage import StorageRef, dtype_name, new_tensor, ref_or_none, set_layout
 
 TRIES = 4  # steps in a row that do not replay before an optimizer's steps run eagerly for good
 PLANS = 8  # recorded steps kept per optimizer (one per pattern of grads that are None), oldest dropped
@@ -121,12 +122,6 @@ class _Call:
 
     def __init__(self, op: Any, i: Any, sends: bool) -> None:
         self.op, self.info, self.sends = op, i, sends
-
-
-def _nbytes(dtype: torch.dtype, size: Any, stride: Any, offset: int) -> int:
-    if any(s == 0 for s in size):
-        return 0
-    return (offset + 1 + sum((s - 1) * st for s, st in zip(size, stride))) * dtype.itemsize
 
 
 def _results(out: Any, operands: list[Any], outs: list[int]) -> tuple[str, list[Any]] | None:
@@ -241,7 +236,8 @@ class _Plan:
                 slot = call.slot0 + j
                 st = by_slot.get(slot)
                 if st is None:
-                    r = StorageRef(next(s.ids), s, dev, pending=max(1, _nbytes(dtype, size, stride, off)))
+                    r = StorageRef(next(s.ids), s, dev, pending=max(1, A.layout_extent(
+                        [list(size), list(stride), off, dtype_name(dtype)], _ITEMSIZE)))
                     t = new_tensor(dtype, size, stride, off, ref=r)
                     by_slot[slot], slot_of[id(r)] = t.untyped_storage(), slot
                 else:

@@ -54,6 +54,14 @@ def _linear(indices: torch.Tensor, size: Any) -> torch.Tensor:
     return lin
 
 
+def _at(dense: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``dense``'s values at each nonzero's sparse ``indices``: ``[nnz, *dense dims]`` (0 sparse dims: the whole
+    tensor, once per nonzero)."""
+    if indices.shape[0]:
+        return dense[tuple(indices)]
+    return dense.unsqueeze(0)[: indices.shape[1]]
+
+
 def _to_sparse(x: torch.Tensor, sparse_dim: int | None = None) -> torch.Tensor:
     d = x.dim() if sparse_dim is None else sparse_dim
     if not 0 <= d <= x.dim():
@@ -63,7 +71,7 @@ def _to_sparse(x: torch.Tensor, sparse_dim: int | None = None) -> torch.Tensor:
         mask = mask.flatten(d).any(-1) if d > 0 else mask.any().reshape(())
     indices = torch.nonzero(mask).t().contiguous() if d > 0 else \
         torch.zeros(0, int(bool(mask)), dtype=torch.int64, device=x.device)
-    values = x[tuple(indices)] if d > 0 else x.unsqueeze(0)[: indices.shape[1]]
+    values = _at(x, indices)
     return _make(indices, values.contiguous(), x.shape, True)
 
 
@@ -142,7 +150,7 @@ def mul(a: Any, b: Any) -> torch.Tensor:
         if b.shape != a.shape:
             raise NotImplementedError("aten.mul on ember: a sparse tensor times a dense one of another shape "
                                       f"({list(a.shape)} and {list(b.shape)}) is not held")
-        b = b[tuple(indices)] if indices.shape[0] else b.unsqueeze(0)
+        b = _at(b, indices)
     return _make(indices.clone(), values * b, a.shape, a.is_coalesced())
 
 
@@ -153,7 +161,7 @@ def sum_all(s: torch.Tensor, *, dtype: Any = None) -> torch.Tensor:
 def sparse_mask(dense: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     _same_shape(dense, mask, "sparse_mask")
     indices = mask._indices()
-    values = dense[tuple(indices)] if indices.shape[0] else dense.unsqueeze(0)[: indices.shape[1]]
+    values = _at(dense, indices)
     return _make(indices.clone(), values.contiguous(), mask.shape, mask.is_coalesced())
 
 

@@ -386,8 +386,8 @@ class AtenKernel:
 
     def _store(self, r: Any, spec: list[Any], operands: list[torch.Tensor],
                ptrs: set[int] | None = None) -> torch.Tensor:
-        """``r`` kept (its memory adopted) or copied in the layout ``spec`` names; ``ptrs``: the operands' storage
-        addresses when the caller has them (an output sharing an operand's memory is copied)."""
+        """``r`` kept (its memory adopted) or copied in the layout ``spec`` names (an output sharing an operand's
+        memory is copied); ``ptrs``: the operands' storage addresses when the caller has them."""
         _, size, stride, offset, dtype, nbytes = spec
         layout = [size, stride, offset, dtype]
         need = A.layout_extent(layout, ITEMSIZE)
@@ -401,9 +401,10 @@ class AtenKernel:
             raise RuntimeError(f"{self.name} returned {tuple(r.shape)} {r.dtype} on the peer where the client "
                                f"inferred {tuple(size)} {dtype}")
         st = r.untyped_storage()
+        if ptrs is None:
+            ptrs = {o.untyped_storage().data_ptr() for o in operands}
         if list(r.stride()) == stride and r.storage_offset() == offset and st.nbytes() >= nbytes \
-                and (st.data_ptr() not in ptrs if ptrs is not None
-                     else not any(o.untyped_storage().data_ptr() == st.data_ptr() for o in operands)):
+                and st.data_ptr() not in ptrs:
             return as_storage(r)
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         operand(buf, layout, self.device).copy_(r)
