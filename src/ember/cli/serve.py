@@ -12,7 +12,7 @@ from ..errors import EmberError
 from ..server import Server
 from ..server.guard.limits import ClientLimits
 from ..server.guard.auth import all_of, allowlist_authorizer, peer_id, read_peer_list, read_secret_file, token_authorizer
-from ..server.guard.memory import parse_size
+from ..server.guard.memory import keep_freed_pages, parse_size
 from ..transport.websocket import is_loopback
 
 
@@ -172,6 +172,7 @@ def describe_devices(server: Server) -> str:
 
 def serve(args: argparse.Namespace) -> int:
     server = build_server(args)
+    keep_freed_pages()  # this process is the peer's alone: buffers reused, not faulted in afresh each step
     if not server.listeners:
         print("ember serve: error: no transport to serve on", file=sys.stderr)
         print("  hint: drop --no-iroh, or add --websocket 127.0.0.1:0 or --tcp 127.0.0.1:0", file=sys.stderr)

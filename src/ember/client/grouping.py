@@ -158,6 +158,8 @@ class GroupHolding:
                 p.append([m.DROP, rest])
         if len(p) >= self.max_batch:  # (every caller flushes or arms the idle timer next)
             self._flush_locked(False)
+        else:
+            self._send_here_locked()
         return True
 
     def _append_replay(self, e: Any, n_ops: int, inputs: list[int], outs: list[Any], overrides: list[Any]) -> list[Any]:
@@ -195,3 +197,5 @@ class GroupHolding:
             self._arm_locked()
             if len(p) >= self.max_batch:
                 self._flush_locked(False)
+            else:
+                self._send_here_locked()

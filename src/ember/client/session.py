@@ -312,6 +312,8 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
                 self._release_held()
             if self._cand is None and (self._pending or self._drops):
                 self._flush_locked(False)
+            elif self._pending:  # holding a group: what was recorded before it goes now (its releases wait
+                self._flush_locked(False, drops_too=False)  # for the group: they may name the group's ids)
             if self._active or self._pending or self._cand is not None:
                 self._active, self._quiet = False, 0
             else:

@@ -266,6 +266,16 @@ class CalmLink:
         except RuntimeError:
             pass
 
+    def end_write(self) -> None:
+        """Give the gate back after a write alone (no answer to read): the reader stays as it was, unless the
+        loop asked for it meanwhile (``unpark`` found the gate held)."""
+        self.gate.release()
+        if self.unpark_wanted:
+            try:
+                self.loop.call_soon_threadsafe(self.settle)
+            except RuntimeError:  # the loop is gone
+                pass
+
     def _poll(self, event: int, deadline: float) -> bool:
         """Wait until the socket is readable (``POLLIN``) or writable, at most until ``deadline``."""
         left = deadline - time.monotonic()

@@ -42,7 +42,7 @@ class Compiled:
         """Run the compiled prefix over the typed registers ``V``: how many steps it stood for (0: it
         could not serve this replay; the program runs them)."""
         args = [V[tr] for tr in self.in_trs]
-        if None in args:
+        if any(a is None for a in args):  # (not `None in`: tensor == None raises inside torch, slowly)
             return 0
         try:
             outs = self.fn(*args)

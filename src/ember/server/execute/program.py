@@ -331,7 +331,7 @@ class Program:
         elif fs.fc is None:
             return self._generic(it, g, R, V, st, fs.i, fs)
         tensors = [V[t] for t in fs.trs]
-        if None in tensors:
+        if any(t is None for t in tensors):  # (not `None in`: tensor == None raises inside torch, slowly)
             return self._generic(it, g, R, V, st, fs.i, fs)
         exact = True
         try:
