@@ -96,23 +96,24 @@ class Exchanging:
 
     def _send_here_locked(self) -> None:
         """Under the session's lock: write the pending batch on the socket from this thread, now, when the
-        TCP link is calm (the sender idle, nothing awaited); else it waits for the sender as usual. Called
+        TCP link is calm (its sender idle, no send under way); else it waits for the sender as usual. Called
         when a whole step was decided (a ``REPLAY``): the peer runs it while the caller records the next
         one, instead of when the idle timer's thread next gets the GIL (up to ~5 ms later)."""
         s: Any = self
         calm = self._calm
-        if calm is None or s._frames or not s._parked or s.lost is not None or not s._pending:
+        if calm is None or s._frames or not s._parked or s.lost is not None or not s._pending \
+                or not calm.writable():
             return
-        if not calm.begin():
-            return
+        frame = s._flush_locked(False, drops_too=False, take=True)
+        if frame is None:
+            return  # (several frames: queued for the sender)
         try:
-            frame = s._flush_locked(False, drops_too=False, take=True)
-            if frame is not None:
-                calm.write(frame)  # in order: the sender is idle and we hold its lock
+            calm.write(frame)  # in order: the sender is idle and we hold its lock
         except BaseException as e:  # noqa: BLE001 - broken: the session ends, typed
             s._frame_failed(e)
-        finally:
-            calm.end_write()
+            return
+        if calm.parked and self._awaited():  # (as the sender does before a frame: an answer must be read)
+            s.loop.call_soon_threadsafe(self._reader_wanted)
 
     def _awaited(self) -> bool:
         """Does any request wait for an answer the loop must read (not an upload's waiter, keyed ``-id``:

@@ -266,15 +266,13 @@ class CalmLink:
         except RuntimeError:
             pass
 
-    def end_write(self) -> None:
-        """Give the gate back after a write alone (no answer to read): the reader stays as it was, unless the
-        loop asked for it meanwhile (``unpark`` found the gate held)."""
-        self.gate.release()
-        if self.unpark_wanted:
-            try:
-                self.loop.call_soon_threadsafe(self.settle)
-            except RuntimeError:  # the loop is gone
-                pass
+    def writable(self) -> bool:
+        """Can a caller write a frame now, with no answer to read (``write`` without ``begin``)? Only while the
+        connection is open and no send of the loop's is under way; the caller must also hold the lock its
+        user queues frames under, with the user's sender idle (``ClientSession._send_here_locked``), so
+        that nothing else writes until it is done. Reading is the loop's (or an exchange's) as before."""
+        c = self.conn
+        return not c._closed and not c._broken and not c._lock.locked()
 
     def _poll(self, event: int, deadline: float) -> bool:
         """Wait until the socket is readable (``POLLIN``) or writable, at most until ``deadline``."""
