@@ -94,15 +94,17 @@ class Exchanging:
         except BaseException as e:  # noqa: BLE001 - as the receiver: the session ends with its reason
             s._frame_failed(e)
 
-    def _send_here_locked(self) -> None:
+    def _send_now_locked(self) -> None:
         """Under the session's lock: write the pending batch on the socket from this thread, now, when the
-        TCP link is calm (its sender idle, no send under way); else it waits for the sender as usual. Called
+        TCP link is calm (its sender idle, no send under way); else queue it for the sender at once. Called
         when a whole step was decided (a ``REPLAY``): the peer runs it while the caller records the next
-        one, instead of when the idle timer's thread next gets the GIL (up to ~5 ms later)."""
+        one, not when the idle timer next ticks and its thread gets the GIL (up to ~5 ms later)."""
         s: Any = self
         calm = self._calm
-        if calm is None or s._frames or not s._parked or s.lost is not None or not s._pending \
-                or not calm.writable():
+        if not s._pending or s.lost is not None:
+            return
+        if calm is None or s._frames or not s._parked or not calm.writable():
+            s._flush_locked(False, drops_too=False)  # the sender's, now: not at the idle timer's next tick
             return
         frame = s._flush_locked(False, drops_too=False, take=True)
         if frame is None:

@@ -159,7 +159,7 @@ class GroupHolding:
         if len(p) >= self.max_batch:  # (every caller flushes or arms the idle timer next)
             self._flush_locked(False)
         else:
-            self._send_here_locked()
+            self._send_now_locked()
         return True
 
     def _append_replay(self, e: Any, n_ops: int, inputs: list[int], outs: list[Any], overrides: list[Any]) -> list[Any]:
@@ -198,4 +198,4 @@ class GroupHolding:
             if len(p) >= self.max_batch:
                 self._flush_locked(False)
             else:
-                self._send_here_locked()
+                self._send_now_locked()

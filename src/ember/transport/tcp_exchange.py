@@ -269,7 +269,7 @@ class CalmLink:
     def writable(self) -> bool:
         """Can a caller write a frame now, with no answer to read (``write`` without ``begin``)? Only while the
         connection is open and no send of the loop's is under way; the caller must also hold the lock its
-        user queues frames under, with the user's sender idle (``ClientSession._send_here_locked``), so
+        user queues frames under, with the user's sender idle (``ClientSession._send_now_locked``), so
         that nothing else writes until it is done. Reading is the loop's (or an exchange's) as before."""
         c = self.conn
         return not c._closed and not c._broken and not c._lock.locked()
