@@ -95,15 +95,17 @@ class Exchanging:
             s._frame_failed(e)
 
     def _send_now_locked(self) -> None:
-        """Under the session's lock: write the pending batch on the socket from this thread, now, when the
-        TCP link is calm (its sender idle, no send under way); else queue it for the sender at once. Called
-        when a whole step was decided (a ``REPLAY``): the peer runs it while the caller records the next
-        one, not when the idle timer next ticks and its thread gets the GIL (up to ~5 ms later)."""
+        """Under the session's lock, on a TCP link: write the pending batch on the socket from this thread,
+        now, when the link is calm (its sender idle, no send under way), else queue it for the sender at
+        once. Called when a whole step was decided (a ``REPLAY``): the peer runs it while the caller
+        records the next one, not when the idle timer next ticks and its thread gets the GIL (up to ~5 ms
+        later). Other links leave it to the idle timer (see the comment below)."""
         s: Any = self
         calm = self._calm
-        if not s._pending or s.lost is not None:
-            return
-        if calm is None or s._frames or not s._parked or not calm.writable():
+        if calm is None or not s._pending or s.lost is not None:
+            return  # (other links: the idle timer sends it; queueing it at once for the loop's thread costs
+            #         the recording thread a wake-up and a GIL hand-off per step: slower on the embedded peer)
+        if s._frames or not s._parked or not calm.writable():
             s._flush_locked(False, drops_too=False)  # the sender's, now: not at the idle timer's next tick
             return
         frame = s._flush_locked(False, drops_too=False, take=True)
