@@ -217,6 +217,34 @@ def client_cpu_per_op(kw: dict[str, Any], steps: int) -> float:
     return (time.process_time() - c0) / (ember.torch.counters["ops"] - ops0) * 1e6
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) process ``pid`` has used; None off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cpu_per_step(kw: dict[str, Any], dev: ember.Device, peer_pid: int, steps: int) -> dict[str, Any]:
+    """Where a remote eager step's time goes: CPU milliseconds per step of the client process and of the
+    peer process (``ember serve``), next to local CPU torch's for the same loop. The slower side bounds
+    the remote step; a side far below its wall time per step waits for the other."""
+    def per_step(device: str, pid: int | None) -> tuple[float, float | None]:
+        W.train(device=device, steps=3, **kw)
+        c0, p0 = time.process_time(), _cpu_seconds(pid) if pid else None
+        W.train(device=device, steps=steps, read_every=10, **kw)
+        p1 = _cpu_seconds(pid) if pid else None
+        peer = None if p0 is None or p1 is None else (p1 - p0) / steps * 1e3
+        return (time.process_time() - c0) / steps * 1e3, peer
+
+    local, _ = per_step("cpu", None)
+    client, peer = _on(dev, lambda: per_step("ember", peer_pid))
+    return {"local_ms": round(local, 3), "client_ms": round(client, 3),
+            "peer_ms": None if peer is None else round(peer, 3), "transport": dev.address.split(":")[0]}
+
+
 def dispatch_cost(n: int = 20000, device: str = "ember") -> float:
     """Client CPU (all threads) per cached ``a + b`` on 4x4 tensors of the current Ember device, µs:
     the dispatch itself (plan cache hit, one OP message recorded, batched, sent), without autograd."""
@@ -371,6 +399,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 per: dict[str, float] = {}
                 _on(cd, lambda kw=kw, per=per: captured_step_time(kw, a.steps, per))
                 fig["capture_per_step"] = per
+            if "tcp" in devs:
+                fig["cpu_per_step"] = cpu_per_step(kw, devs["tcp"], proc.pid, a.steps)
             wd = devs.get("websocket", devs["memory"])
             fig["wire"] = _on(wd, lambda kw=kw, wd=wd: wire(kw, wd))
             report["figures"][name] = fig
@@ -463,7 +493,7 @@ def format_report(r: dict[str, Any]) -> str:
         if name not in r["figures"]:
             continue
         fig = r["figures"][name]
-        cols = [k for k in fig if k not in ("wire", "capture_per_step")]
+        cols = [k for k in fig if k not in ("wire", "capture_per_step", "cpu_per_step")]
         lines.append(f"  {name:12s} steps/s: " + ", ".join(
             f"{k} {fig[k]['steps_per_s']} ({fig[k]['vs_local']}x local)" for k in cols))
         cp = fig.get("capture_per_step")
@@ -472,6 +502,10 @@ def format_report(r: dict[str, Any]) -> str:
                          f"(batch upload and loss read every 10 steps included; the replay alone "
                          f"{cp.get('replay_call_us')} µs in the calling thread, {cp.get('replay_cpu_us')} µs "
                          f"with the I/O thread's send), {cp['replayed']} replays per step")
+        c = fig.get("cpu_per_step")
+        if c:
+            lines.append(f"  {'':12s} CPU per eager step: local {c['local_ms']} ms; over {c['transport']}: client "
+                         f"{c['client_ms']} ms, peer {c['peer_ms']} ms (the larger bounds the step)")
         w = fig["wire"]
         lines.append(f"  {'':12s} per step: {w['aten_ops']} ATen ops; messages {w['messages_first']} first, "
                      f"{w['messages_replayed']} replayed; bytes {w['bytes_first']} first, {w['bytes_replayed']} "
