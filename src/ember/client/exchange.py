@@ -105,12 +105,16 @@ class Exchanging:
         if calm is None or not s._pending or s.lost is not None:
             return  # (other links: the idle timer sends it; queueing it at once for the loop's thread costs
             #         the recording thread a wake-up and a GIL hand-off per step: slower on the embedded peer)
-        if s._frames or not s._parked or not calm.writable():
+        if s._frames or not s._parked:
             s._flush_locked(False, drops_too=False)  # the sender's, now: not at the idle timer's next tick
             return
         frame = s._flush_locked(False, drops_too=False, take=True)
         if frame is None:
             return  # (several frames: queued for the sender)
+        if not calm.writable(len(frame)):  # large, or no room: the sender waits for the socket, not we
+            s._frames.append(frame)
+            s.loop.call_soon_threadsafe(s._kick)
+            return
         try:
             calm.write(frame)  # in order: the sender is idle and we hold its lock
         except BaseException as e:  # noqa: BLE001 - broken: the session ends, typed

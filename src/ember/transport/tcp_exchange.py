@@ -38,6 +38,9 @@ from typing import Any, Callable
 PATIENCE = 0.05
 #: The longest a caller's write may take (a calm socket takes a small frame at once).
 WRITE_TIMEOUT = 5.0
+#: The largest frame a caller writes without the loop (``CalmLink.writable``): with the socket writable
+#: (TCP reports room only when a third of its buffer is free) such a frame leaves in one ``send``.
+SMALL_WRITE = 16 << 10
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -266,13 +269,22 @@ class CalmLink:
         except RuntimeError:
             pass
 
-    def writable(self) -> bool:
-        """Can a caller write a frame now, with no answer to read (``write`` without ``begin``)? Only while the
-        connection is open and no send of the loop's is under way; the caller must also hold the lock its
-        user queues frames under, with the user's sender idle (``ClientSession._send_now_locked``), so
-        that nothing else writes until it is done. Reading is the loop's (or an exchange's) as before."""
+    def writable(self, nbytes: int) -> bool:
+        """Can a caller write a frame of ``nbytes`` now, with no answer to read (``write`` without ``begin``),
+        and without waiting? Only a small frame (``SMALL_WRITE``), while the connection is open, no send of
+        the loop's is under way and the socket has room (a peer that stopped reading — back-pressure while
+        its worker catches up — must make the loop's sender wait, never the recording thread). The caller
+        must also hold the lock its user queues frames under, with the user's sender idle
+        (``ClientSession._send_now_locked``), so that nothing else writes until it is done. Reading is the
+        loop's (or an exchange's) as before."""
         c = self.conn
-        return not c._closed and not c._broken and not c._lock.locked()
+        if nbytes > SMALL_WRITE or c._closed or c._broken or c._lock.locked():
+            return False
+        p = self._polls.get(select.POLLOUT)
+        if p is None:
+            p = self._polls[select.POLLOUT] = select.poll()
+            p.register(self.fd, select.POLLOUT)
+        return bool(p.poll(0))
 
     def _poll(self, event: int, deadline: float) -> bool:
         """Wait until the socket is readable (``POLLIN``) or writable, at most until ``deadline``."""
