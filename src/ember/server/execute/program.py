@@ -273,9 +273,15 @@ class Program:
         st = r.untyped_storage()
         n = st.nbytes()
         empty, DT = self.torch.empty, self.aten.DTYPES
+        same = dev is None or dev == r.device
         dev = r.device if dev is None else dev
         for tr, (size, stride, off, dt), need in d:
-            V[tr] = empty((0,), dtype=DT[dt], device=dev).set_(st, off, size, stride) if need <= n else None
+            if need > n:
+                V[tr] = None
+            elif same and r.dtype is DT[dt]:  # (half the cost of a fresh tensor set_ on the storage)
+                V[tr] = r.as_strided(size, stride, off)
+            else:
+                V[tr] = empty((0,), dtype=DT[dt], device=dev).set_(st, off, size, stride)
 
     def _generic(self, it: Any, g: Any, R: list[Any], V: list[Any], st: Any, i: int, fs: FastStep | None) -> None:
         """Step ``i`` as the generic replay runs it; then its results' typed registers."""
