@@ -7,6 +7,10 @@ and layouts, the scalar values and the literal arguments; looks up the cached
 records one ``OP`` message on the operands' session (views and metadata-only ops send
 nothing); and returns real ember tensors with the inferred layouts. Nothing waits for
 the peer unless torch needs a value (see ``_transfer``).
+
+A call that repeats with positional arguments only (``a + b``, ``mm``, a view in the backward) takes a
+fast path: ``_fast_walk`` keys it on those arguments alone and finds the plan and the defaults' scalars
+without binding the schema or walking it (``counters["fast"]``); the first such call goes the generic way.
 """
 
 from __future__ import annotations
