@@ -46,7 +46,8 @@ def upload(src: torch.Tensor, dev: Device) -> torch.Tensor:
     if src.requires_grad or src.is_conj() or src.is_neg() or not src.is_contiguous():
         host = src.detach().resolve_conj().resolve_neg().contiguous()
     s = dev.session
-    sid = s.upload(_bytes_of(host), choose(None, host.numel() * host.element_size()))
+    nbytes = host.numel() * host.element_size()  # (an upload that rides in the batch shows no progress)
+    sid = s.upload(_bytes_of(host), None if nbytes <= m.INLINE_DATA else choose(None, nbytes))
     return new_tensor(host.dtype, host.shape, host.stride(), 0, ref=StorageRef(sid, s, dev))
 
 
