@@ -7,6 +7,10 @@ and layouts, the scalar values and the literal arguments; looks up the cached
 records one ``OP`` message on the operands' session (views and metadata-only ops send
 nothing); and returns real ember tensors with the inferred layouts. Nothing waits for
 the peer unless torch needs a value (see ``_transfer``).
+
+A call that repeats with positional arguments only (``a + b``, ``mm``, a view in the backward) takes a
+fast path: ``_fast_walk`` keys it on those arguments alone and finds the plan and the defaults' scalars
+without binding the schema or walking it (``counters["fast"]``); the first such call goes the generic way.
 """
 
 from __future__ import annotations
@@ -27,10 +31,20 @@ from ._storage import StorageRef, dtype_name, live_session, new_tensor, set_layo
 _OP = m.OP
 _inference_mode = torch.is_inference_mode_enabled
 _cache: dict[Any, _meta.Plan] = {}
+#: The fast path's plans: (op info, per positional argument its layout or literal) -> (plan, defaults' scalars).
+_fast: dict[tuple[Any, ...], tuple[_meta.Plan, list[Any]]] = {}
 _CACHE_MAX = 1 << 16
+_TENSOR, _TENSOR_LIST, _SCALAR, _LITERAL = A.TENSOR, A.TENSOR_LIST, A.SCALAR, A.LITERAL
+_BY_VALUE = frozenset({A.STRING, A.DTYPE, A.MEMORY_FORMAT})  # (keyed by their value, as the generic walk does)
+_FRESH, _VIEW, _INPUT = _meta.FRESH, _meta.VIEW, _meta.INPUT
+_Tensor = torch.Tensor
+_create = torch._C._acc.create_empty_tensor
+_meta_tls = torch._C._set_meta_in_tls_dispatch_include
+_EMPTY_SIZE = (0,)
+_NUMBER = (bool, int, float, complex)
 #: Ops handled by ``_patches`` instead of the generic path (id(op) -> handler).
 SPECIAL: dict[int, Callable[..., Any]] = {}
-counters = {"ops": 0, "messages": 0, "cache_misses": 0}
+counters = {"ops": 0, "messages": 0, "cache_misses": 0, "fast": 0}  # fast: calls that skipped bound and _walk
 #: Set while ``ember.torch.capture`` records a step: told each call's operand and fresh storages.
 note: Callable[[list[StorageRef], list[StorageRef]], None] | None = None
 #: Set while an optimizer step is recorded or replayed (``_optstep``): it takes every call ``(op, args, kwargs)``.
@@ -173,7 +187,7 @@ def kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
     special = SPECIAL.get(id(op))
     if special is not None:
         return special(op, *args, **kwargs)
-    return kernel_generic(op, *args, **kwargs)
+    return _generic(op, args, kwargs)
 
 
 def unguided(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -181,7 +195,7 @@ def unguided(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     special = SPECIAL.get(id(op))
     if special is not None:
         return special(op, *args, **kwargs)
-    return kernel_generic(op, *args, **kwargs)
+    return _generic(op, args, kwargs)
 
 
 class _OtherDevice(Exception):
@@ -194,7 +208,22 @@ on_host: Callable[[OpInfo, list[Any], torch.device], Any] | None = None
 
 def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
     """The generic path: infer (cached), record one message, build the outputs."""
+    return _generic(op, args, kwargs)
+
+
+def _generic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     i = info(op)
+    walked = None if kwargs else _fast_walk(i, args)
+    if walked is not None:
+        fkey, operands, refs, scalars = walked
+        try:
+            hit = _fast.get(fkey)
+        except TypeError:  # an unhashable literal: the generic path says what is wrong with it
+            hit = walked = None
+        if hit is not None:
+            counters["ops"] += 1
+            counters["fast"] += 1
+            return _run(i, hit[0], operands, refs, scalars + hit[1] if hit[1] else scalars)
     values = bound(i, args, kwargs)
     try:
         template, operands, refs, scalars, key = _walk(i, values)
@@ -214,7 +243,81 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
         counters["cache_misses"] += 1
         if len(_cache) >= _CACHE_MAX:
             _cache.clear()
+            _fast.clear()
         _cache[k] = plan
+    if walked is not None:  # the next such call skips bound and _walk: the defaults' scalars are constant
+        if len(_fast) >= _CACHE_MAX:
+            _fast.clear()
+        _fast[walked[0]] = (plan, scalars[len(walked[3]):])
+    return _run(i, plan, operands, refs, scalars)
+
+
+def _fast_walk(i: OpInfo, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[torch.Tensor], list[StorageRef],
+                                                              list[Any]] | None:
+    """(key, operands, their storages, scalars) of a positional-only call of tensors on a peer, scalars and
+    literals, the rest defaulted; None for any other call (the generic walk takes it).
+
+    The key is at least as fine as the plan cache's on the given arguments (it keeps literal lists as given
+    and numbers the aliases by operand, not by storage): what it finds is what the generic path would do."""
+    cats = i.pos_cats
+    if len(args) > len(cats):
+        return None
+    key: list[Any] = [i]
+    operands: list[torch.Tensor] = []
+    refs: list[StorageRef] = []
+    scalars: list[Any] = []
+    for cat, v in zip(cats, args):
+        if cat == _TENSOR:
+            part = _fast_operand(v, operands, refs)
+            if part is False:
+                if not isinstance(v, _NUMBER):
+                    return None
+                scalars.append(_wire_scalar(v))  # a Python number in a Tensor slot (a wrapped number)
+                part = type(v)
+            key.append(part)
+        elif cat == _SCALAR:
+            if v is None:
+                key.append(None)
+            else:
+                scalars.append(_wire_scalar(v))
+                key.append((type(v), v) if i.by_value else type(v))
+        elif cat == _LITERAL:
+            key.append(tuple(v) if isinstance(v, (list, tuple)) else (type(v), v))
+        elif cat == _TENSOR_LIST:
+            if v is None:
+                key.append(None)
+                continue
+            parts = tuple([_fast_operand(x, operands, refs) for x in v])
+            if False in parts:
+                return None
+            key.append(parts)
+        elif cat in _BY_VALUE:
+            key.append(v)
+        else:
+            return None
+    return tuple(key), operands, refs, scalars
+
+
+def _fast_operand(v: Any, operands: list[torch.Tensor], refs: list[StorageRef]) -> Any:
+    """An operand's key part (its layout and the first operand on its storage), or False: not for the fast path."""
+    if isinstance(v, _Tensor):
+        r = getattr(v.untyped_storage(), "_ember", None)
+        if r is None:
+            return False
+        alias = 0
+        for q in refs:
+            if q is r:
+                break
+            alias += 1
+        operands.append(v)
+        refs.append(r)
+        return (v.dtype, v.shape, v.stride(), v.storage_offset(), alias)
+    return None if v is None else False
+
+
+def _run(i: OpInfo, plan: _meta.Plan, operands: list[torch.Tensor], refs: list[StorageRef],
+         scalars: list[Any]) -> Any:
+    """Record the planned call (unless it only views or allocates) and build its outputs."""
     if plan.send and i.refused is not None:  # what the peer would refuse fails here, at the call
         raise NotImplementedError(i.refused)
     dev = device_of(refs, i)
@@ -227,7 +330,8 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
         for r in refs:
             if r.pending is not None:
                 materialize(r)
-        outs = [next(s.ids) for _ in range(plan.n_fresh)]
+        ids = s.ids
+        outs = [next(ids) for _ in range(plan.n_fresh)]
         s.record([_OP, i.name, [scalars, *[r.sid for r in refs]], 1, outs, plan.kwargs])
         counters["messages"] += 1
         fresh = [StorageRef(sid, s, dev) for sid in outs]
@@ -241,24 +345,33 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
     out = []
     for o in plan.outputs:
         kind = o[0]
-        if kind == _meta.FRESH:
-            out.append(new_tensor(o[2], o[3], o[4], o[5], ref=fresh[o[1]]))
-        elif kind == _meta.VIEW:
+        if kind == _FRESH:  # (new_tensor, inlined: the commonest output)
+            t = _create(_EMPTY_SIZE, o[2])
+            st = t.untyped_storage()
+            st._ember = fresh[o[1]]
+            _meta_tls(True)
+            try:
+                t.set_(st, o[5], o[3], o[4])
+            finally:
+                _meta_tls(False)
+            out.append(t)
+        elif kind == _VIEW:
             base = operands[o[1]]
             if _inference_mode() and not base.is_inference():
                 with torch.inference_mode(False):  # a view of a normal tensor is a normal tensor, as in torch
                     out.append(new_tensor(o[2], o[3], o[4], o[5], storage=base.untyped_storage()))
             else:
                 out.append(new_tensor(o[2], o[3], o[4], o[5], storage=base.untyped_storage()))
-        elif kind == _meta.INPUT:
+        elif kind == _INPUT:
             out.append(operands[o[1]])
         else:
             out.append(o[1] if kind == _meta.VALUE else None)
-    if plan.ret == "one":
+    ret = plan.ret
+    if ret == "one":
         return out[0]
-    if plan.ret == "none":
+    if ret == "none":
         return None
-    return out if plan.ret == "list" else tuple(out)
+    return out if ret == "list" else tuple(out)
 
 
 def grow(r: StorageRef, t: torch.Tensor, need: int) -> None:

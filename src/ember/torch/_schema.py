@@ -19,7 +19,7 @@ class OpInfo:
     """One overload: its wire name, argument categories and the flags the dispatch path needs."""
 
     __slots__ = ("op", "name", "base", "args", "n_pos", "writes", "inplace_view", "seeded", "by_value",
-                 "alloc", "returns", "list_return", "refused")
+                 "alloc", "returns", "list_return", "refused", "pos_cats")
 
     def __init__(self, op: Any) -> None:
         self.op = op
@@ -30,6 +30,7 @@ class OpInfo:
         self.args = [(a.name, A.category(str(a.real_type)), a.kwarg_only,
                       _default(a) if a.has_default_value() else _REQUIRED) for a in schema.arguments]
         self.n_pos = sum(1 for a in schema.arguments if not a.kwarg_only)
+        self.pos_cats = tuple(c for _n, c, kwonly, _d in self.args if not kwonly)  # (the fast path's walk)
         self.writes = tuple(bool(a.alias_info is not None and a.alias_info.is_write) for a in schema.arguments)
         self.inplace_view = torch.Tag.inplace_view in op.tags and base not in ("resize_", "resize_as_")
         self.seeded = torch.Tag.nondeterministic_seeded in op.tags

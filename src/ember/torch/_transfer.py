@@ -31,6 +31,8 @@ _DTYPES = {dtype_name(d): d for d in (torch.bool, torch.uint8, torch.int8, torch
 
 def _bytes_of(host: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor's bytes as a flat uint8 array (no copy)."""
+    if host.dim() and host.numel() > 1:  # (one torch view and numpy's reshape: the cheap way, a batch's path)
+        return host.view(torch.uint8).numpy().reshape(-1)
     flat = host.reshape(-1)
     if flat.numel() == 1 and flat.stride(0) != 1:  # one element, any stride: still "contiguous" to torch
         flat = flat.clone(memory_format=torch.contiguous_format)
@@ -40,9 +42,12 @@ def _bytes_of(host: torch.Tensor) -> np.ndarray:
 def upload(src: torch.Tensor, dev: Device) -> torch.Tensor:
     """A CPU tensor's value as a new ember tensor on ``dev`` (contiguous, a storage of its own)."""
     D.check_torch(dev)
-    host = src.detach().resolve_conj().resolve_neg().contiguous()
+    host = src
+    if src.requires_grad or src.is_conj() or src.is_neg() or not src.is_contiguous():
+        host = src.detach().resolve_conj().resolve_neg().contiguous()
     s = dev.session
-    sid = s.upload(_bytes_of(host), choose(None, host.numel() * host.element_size()))
+    nbytes = host.numel() * host.element_size()  # (an upload that rides in the batch shows no progress)
+    sid = s.upload(_bytes_of(host), None if nbytes <= m.INLINE_DATA else choose(None, nbytes))
     return new_tensor(host.dtype, host.shape, host.stride(), 0, ref=StorageRef(sid, s, dev))
 
 
