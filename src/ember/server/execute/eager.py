@@ -40,6 +40,8 @@ MAX_KEY = 1024
 #: ``EagerPlan.run``'s answer when the generic kernel must run the call (nothing was done yet).
 GENERIC = object()
 _Tensor, _uint8, _empty = torch.Tensor, torch.uint8, torch.empty
+#: The attribute of a stored storage value that keeps its last typed operand view: (layout, storage, view).
+_VIEW = "_ember_typed"
 
 
 class EagerPlan:
@@ -73,7 +75,9 @@ class EagerPlan:
             _, size, stride, offset, dtype, nb = spec
             if type(nb) is not int or not A.layout_extent([size, stride, offset, dtype], itemsize) <= nb <= A.INT64[1]:
                 raise ValueError("output spec cannot hold its layout")
-            self.outs.append((spec[0], torch.Size(size), tuple(stride), offset, dtypes[dtype], nb, spec))
+            # a flat result of exactly its spec's bytes is spanned by a uint8 view of itself (cheaper than set_)
+            flat = len(size) == 1 and tuple(stride) == (1,) and offset == 0 and nb == size[0] * itemsize[dtype]
+            self.outs.append((spec[0], torch.Size(size), tuple(stride), offset, dtypes[dtype], nb, spec, flat))
 
     def run(self, k: Any, scalars: Any, bufs: tuple[Any, ...]) -> Any:
         """The call's stored results, or ``GENERIC`` (before anything ran) when the generic kernel must
@@ -84,14 +88,22 @@ class EagerPlan:
         dev = self.device
         tensors = []
         ptrs = []  # the operands' memory: a result there is copied, never adopted (as ``_store`` does)
-        for b, (dt, off, size, stride, need) in zip(bufs, lays):
+        for b, lay in zip(bufs, lays):
             if type(b) is not _Tensor or b.dtype is not _uint8 or b.dim() != 1 or b.storage_offset() != 0:
                 return GENERIC
             st = b.untyped_storage()
-            if need > st.nbytes():
+            if lay[4] > st.nbytes():
                 return GENERIC
-            tensors.append(_empty((0,), dtype=dt, device=dev).set_(st, off, size, stride))
             ptrs.append(st.data_ptr())
+            d = b.__dict__
+            seen = d.get(_VIEW)  # the typed view this storage was last read through, under this very layout
+            if seen is not None and seen[0] is lay and seen[1] == st._cdata:
+                tensors.append(seen[2])
+                continue
+            dt, off, size, stride, _ = lay
+            v = _empty((0,), dtype=dt, device=dev).set_(st, off, size, stride)
+            d[_VIEW] = (lay, st._cdata, v)
+            tensors.append(v)
         scalar = self.scalar
         try:
             S = [scalar(x) for x in scalars]
@@ -100,15 +112,18 @@ class EagerPlan:
         res = k.follow_and_call(self.call, tensors, S)
         flat = res if isinstance(res, (tuple, list)) else (res,)
         stored = []
-        for idx, size, stride, off, dt, nb, spec in self.outs:
+        for idx, size, stride, off, dt, nb, spec, whole in self.outs:
             if idx >= len(flat):
                 return k._results(res, [o[6] for o in self.outs], tensors)  # raises why
             r = flat[idx]
             if type(r) is _Tensor and r.dtype is dt and r.shape == size and r.stride() == stride \
                     and r.storage_offset() == off:
                 st = r.untyped_storage()
-                if st.nbytes() >= nb and st.data_ptr() not in ptrs:
-                    stored.append(_empty((0,), dtype=_uint8, device=r.device).set_(st))  # (aten.as_storage)
+                n = st.nbytes()
+                if n >= nb and st.data_ptr() not in ptrs:
+                    # (aten.as_storage: a flat uint8 value spanning the storage)
+                    stored.append(r.view(_uint8) if whole and n == nb else
+                                  _empty((0,), dtype=_uint8, device=r.device).set_(st))
                     continue
             stored.append(k._store(r, spec, tensors))  # copies into the spec's layout, or says what is wrong
         return stored[0] if len(stored) == 1 else tuple(stored)
