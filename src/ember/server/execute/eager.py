@@ -12,6 +12,12 @@ between calls: that each operand names a storage holding its layout, that the sc
 numbers, and that each result is exactly what its spec says (else the generic ``_store`` copies
 it into its layout or says why, as the generic kernel does).
 
+A planned call also keeps, on each stored storage value it reads, the typed view it read it through
+(``_VIEW``: the plan's layout, the storage, the view), so the next call of that shape on that storage
+makes no new view (a view sees every later write; the extent check still runs per call); and a flat
+result of exactly its spec's bytes is adopted as a ``uint8`` view of itself. Each saves a
+``torch.empty(0).set_`` (~2 µs, a fifth of a small call's peer time).
+
 Only calls that write no operand, resize nothing, and whose kernel needs no position check
 (:mod:`.positions`) take this way; everything else, and any call the plan's checks do not
 accept, runs the generic kernel (same errors, same results). The call shape is keyed by its
@@ -120,10 +126,14 @@ class EagerPlan:
                     and r.storage_offset() == off:
                 st = r.untyped_storage()
                 n = st.nbytes()
-                if n >= nb and st.data_ptr() not in ptrs:
-                    # (aten.as_storage: a flat uint8 value spanning the storage)
-                    stored.append(r.view(_uint8) if whole and n == nb else
-                                  _empty((0,), dtype=_uint8, device=r.device).set_(st))
+                if n >= nb and st.data_ptr() not in ptrs:  # adopted: a flat uint8 value spanning the storage
+                    if whole and n == nb:
+                        try:
+                            stored.append(r.view(_uint8))
+                            continue
+                        except RuntimeError:  # a conjugate or negative view bit: spanned as below (raw memory)
+                            pass
+                    stored.append(_empty((0,), dtype=_uint8, device=r.device).set_(st))  # (aten.as_storage)
                     continue
             stored.append(k._store(r, spec, tensors))  # copies into the spec's layout, or says what is wrong
         return stored[0] if len(stored) == 1 else tuple(stored)
