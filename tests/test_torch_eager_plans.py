@@ -156,3 +156,14 @@ def test_a_storage_read_through_a_kept_typed_view_follows_its_writes_and_layouts
     s.record([OP, "aten.fill_.Scalar", [[3.0], r], 1, [], {"a": [0, 1], "l": [LAY], "o": []}])  # written in place
     assert values(s, call(s, "aten.mul.Tensor", [2.0], [r], kw)) == [6.0] * 4
     assert values(s, a) == [7.0] * 4
+
+
+def test_a_kept_typed_view_follows_its_storage_when_it_grows(dev: ember.Device) -> None:
+    with dev:
+        x, host = torch.arange(4.0).to("ember"), torch.arange(4.0)
+        for _ in range(2):
+            assert torch.equal((x * 2).cpu(), host * 2)  # planned; the peer keeps x's typed view
+        x.resize_(4096)  # the peer's resize_ moves x's bytes to a larger allocation (same storage)
+        x[4:].fill_(7.0)
+        assert torch.equal((x[:4] * 2).cpu(), host * 2)  # the same call shape: read through the kept view
+        assert (x[4095] * 2).item() == 14.0
