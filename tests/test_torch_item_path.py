@@ -139,3 +139,67 @@ def test_item_on_a_lost_tcp_peer_raises_session_lost(patient: None) -> None:
     finally:
         d.close()
         srv.close()
+
+
+def _mlp_loss(device: str) -> Any:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    m, x, y = m.to(device), x.to(device), y.to(device)
+    return lambda: torch.nn.functional.cross_entropy(m(x), y).item()
+
+
+def test_small_reductions_and_losses_before_item_take_the_caller_s_thread_on_the_embedded_peer() -> None:
+    """Not only pointwise ops: what precedes ``loss.item()`` (a matmul, a reduction, a loss) on small
+    layouts runs on the caller's thread too (``Interpreter.cheap(direct=True)``), with the same values."""
+    dev = ember.torch.current_device()
+    s = dev.session
+    with dev:
+        local, remote = _mlp_loss("cpu"), _mlp_loss("ember")
+        want = local()
+        remote()
+        a, m = torch.arange(6.0, device="ember"), torch.ones(4, 4, device="ember")
+        before = s.stats["exchanges"]
+        for _ in range(10):
+            assert remote() == want
+            assert a.sum().item() == 15.0
+            assert (m @ m).mean().item() == 4.0
+        assert s.stats["exchanges"] - before >= 24
+
+
+def test_a_users_autocast_or_inference_mode_around_the_read_never_reaches_the_peer_s_kernels() -> None:
+    dev = ember.torch.current_device()
+    s = dev.session
+    with dev:
+        m = torch.full((4, 4), 1.0 + 2 ** -10, device="ember")  # bfloat16 would round it to 1.0
+        want = ((torch.full((4, 4), 1.0 + 2 ** -10) @ torch.full((4, 4), 1.0 + 2 ** -10)).sum()).item()
+        assert (m @ m).sum().item() == want
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # (a CPU region: ember tensors are not autocast)
+            before = s.stats["exchanges"]
+            assert (m @ m).sum().item() == want  # the peer's mm ran as float32: on its worker, not this thread
+            assert s.stats["exchanges"] == before
+        with torch.inference_mode():
+            r = m @ m
+            before = s.stats["exchanges"]
+            assert r.sum().item() == want
+            assert s.stats["exchanges"] > before
+        assert (r * 2).sum().item() == 2 * want  # made under inference mode, used after it
+
+
+def test_a_users_dispatch_mode_does_not_see_the_peer_s_cpu_kernels() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in args):
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    dev = ember.torch.current_device()
+    with dev:
+        m = torch.ones(4, 4, device="ember")
+        with Spy():
+            assert (m @ m).sum().item() == 64.0
+    assert not any("mm" in f or "sum" in f for f in seen), seen
