@@ -68,7 +68,8 @@ def _aten(name: str, n: int, out_bytes: int | None = None) -> list[Any]:
     ([_aten("aten.add.Tensor", 16), [m.READ, 1, 9]], True),   # pointwise, small: the loop runs it
     ([_aten("aten.add.Tensor", 100_000)], False),             # too many elements
     ([_aten("aten.add.Tensor", 16, 1 << 30)], False),         # an output storage too big
-    ([_aten("aten.mm.default", 16)], False),                  # not pointwise
+    ([_aten("aten.mm.default", 16)], False),                  # neither pointwise nor a reduction
+    ([_aten("aten.sum.default", 16), [m.READ, 1, 9]], True),  # a reduction: work linear in its operands
     ([_aten("aten.bernoulli.p", 16)], False),                 # random: not pointwise here
     ([_aten("aten.no_such.op", 16)], False),                  # refused: the worker says why
 ])
@@ -104,10 +105,10 @@ def _many(n: int) -> list[Any]:
 ])
 def test_small_bounded_aten_ops_may_run_on_the_caller_s_own_thread(batch: list[Any], direct: bool) -> None:
     """``Session.direct`` (the embedded peer, on the caller's thread) also takes small non-pointwise ATen ops
-    (what precedes ``loss.item()``); the network loop still takes only pointwise ones."""
+    (what precedes ``loss.item()``); the network loop still takes only pointwise and reducing ones."""
     it = _torch_interp()
     assert it.cheap(batch, True) is direct
-    assert it.cheap(batch) is (direct and batch[0][1] == "aten.add.Tensor")
+    assert it.cheap(batch) is (direct and batch[0][1] == "aten.sum.default")  # the loop: pointwise or reducing
 
 
 def test_inline_and_worker_give_the_same_values_and_errors(peer: Server) -> None:

@@ -167,7 +167,7 @@ class Interpreter(GraphReplay, Holdings):
         NumPy and torch CPU devices only (a GPU read waits for the device); at most ``INLINE_MAX_MESSAGES``
         messages, each an elementwise op without keyword arguments on arrays of at most ``INLINE_MAX_ELEMENTS``
         elements that do not broadcast each other up (one shape, or size 1), a read of at most
-        ``INLINE_MAX_BYTES``, a small upload, a sync or a drop; on torch, also a pointwise ATen op whose
+        ``INLINE_MAX_BYTES``, a small upload, a sync or a drop; on torch, also a pointwise or reducing ATen op whose
         operand and output layouts hold at most ``INLINE_MAX_ELEMENTS`` elements (``_cheap_aten``), or with
         ``direct`` (on the caller's own thread: ``Session.direct``) any ``bounded`` ATen op on such layouts (a
         reduction, a matmul, a loss: what precedes ``loss.item()``), at most 16 operands.
@@ -217,9 +217,9 @@ class Interpreter(GraphReplay, Holdings):
         return True
 
     def _cheap_aten(self, name: Any, kw: dict[str, Any], direct: bool) -> bool:
-        """A pointwise (``direct``: bounded) ATen kernel on small operand (``l``) and output (``o``) layouts."""
+        """A pointwise or reducing (``direct``: bounded) ATen kernel on small operand and output layouts."""
         if type(name) is not str or not name.startswith("aten.") or \
-                not getattr(self.table.get(name), "bounded" if direct else "pointwise", False):
+                not getattr(self.table.get(name), "bounded" if direct else "loop_ok", False):
             return False
         outs = kw.get("o")
         if type(outs) is not list or len(kw.get("l") or ()) > INLINE_MAX_MESSAGES:  # data-dependent outputs
