@@ -127,7 +127,7 @@ def test_item_on_a_lost_tcp_peer_raises_session_lost(patient: None) -> None:
             a = torch.ones(1, device="ember")
             for i in range(5):
                 assert (a + i).item() == 1.0 + i
-            assert d.session.stats["exchanges"] >= 4
+            assert d.session.stats["exchanges"] >= 1  # (the reads took the caller's thread)
             srv.close()
             t0 = time.monotonic()
             with pytest.raises(SessionLost):
@@ -164,7 +164,7 @@ def test_small_reductions_and_losses_before_item_take_the_caller_s_thread_on_the
             assert remote() == want
             assert a.sum().item() == 15.0
             assert (m @ m).mean().item() == 4.0
-        assert s.stats["exchanges"] - before >= 24
+        assert s.stats["exchanges"] - before >= 15  # (of 30: the idle tick may send an op ahead now and then)
 
 
 def test_a_users_autocast_or_inference_mode_around_the_read_never_reaches_the_peer_s_kernels() -> None:
@@ -178,10 +178,11 @@ def test_a_users_autocast_or_inference_mode_around_the_read_never_reaches_the_pe
             before = s.stats["exchanges"]
             assert (m @ m).sum().item() == want  # the peer's mm ran as float32: on its worker, not this thread
             assert s.stats["exchanges"] == before
-        with torch.inference_mode():
-            r = m @ m
+        with torch.inference_mode():  # the caller's thread runs them, with inference mode off
             before = s.stats["exchanges"]
-            assert r.sum().item() == want
+            for _ in range(5):  # (the idle tick may send an op ahead now and then: that read takes the worker)
+                r = m @ m
+                assert r.sum().item() == want
             assert s.stats["exchanges"] > before
         assert (r * 2).sum().item() == 2 * want  # made under inference mode, used after it
 

@@ -310,7 +310,7 @@ class Session:
                 return None  # the pump says why, and ends the session
             if not batch or batch[0][0] in (m.PING, m.STATS, m.EXPOSE, m.CLOSE) or not self.interp.cheap(batch, True):
                 return None
-            torch_state = _caller_torch_state() if self.interp._aten else contextlib.nullcontext()
+            torch_state = _caller_torch_state() if self.interp._aten else _AS_IS
             if torch_state is None:
                 return None
             received = time.perf_counter() if self.interp.probe.active else 0.0
@@ -438,10 +438,14 @@ def _caller_torch_state() -> Any:
     the peer's tensors are made as on the worker)."""
     torch = sys.modules.get("torch")
     if torch is None:
-        return contextlib.nullcontext()
-    if torch._C._is_any_autocast_enabled() or torch._C._len_torch_dispatch_stack():
+        return _AS_IS
+    c = torch._C
+    if c._is_any_autocast_enabled() or c._len_torch_dispatch_stack():
         return None
-    return torch._C._InferenceMode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+    return c._InferenceMode(False) if torch.is_inference_mode_enabled() else _AS_IS
+
+
+_AS_IS = contextlib.nullcontext()  # (reusable: it keeps no state)
 
 
 __all__ = ["Session", "end_session", "close_quietly", "KEEPALIVE", "DECODED_FACTOR"]
