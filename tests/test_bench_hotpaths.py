@@ -68,17 +68,47 @@ def _aten(name: str, n: int, out_bytes: int | None = None) -> list[Any]:
     ([_aten("aten.add.Tensor", 16), [m.READ, 1, 9]], True),   # pointwise, small: the loop runs it
     ([_aten("aten.add.Tensor", 100_000)], False),             # too many elements
     ([_aten("aten.add.Tensor", 16, 1 << 30)], False),         # an output storage too big
-    ([_aten("aten.mm.default", 16)], False),                  # not pointwise
+    ([_aten("aten.mm.default", 16)], False),                  # neither pointwise nor a reduction
+    ([_aten("aten.sum.default", 16), [m.READ, 1, 9]], True),  # a reduction: work linear in its operands
     ([_aten("aten.bernoulli.p", 16)], False),                 # random: not pointwise here
     ([_aten("aten.no_such.op", 16)], False),                  # refused: the worker says why
 ])
 def test_small_pointwise_aten_ops_on_a_torch_cpu_peer_may_run_on_the_loop(batch: list[Any], cheap: bool) -> None:
+    assert _torch_interp().cheap(batch) is cheap
+
+
+def _torch_interp() -> Interpreter:
     torch = pytest.importorskip("torch")
     b = make_backend("torch:cpu")
     it = Interpreter(b, build_table(b), {}, lambda out: None,
                      {"max_frame": 1 << 26, "chunk": 1 << 24, "max_tensor": 1 << 40, "graph_cache": 4})
     it.tensors.update({1: torch.zeros(64, dtype=torch.uint8), 2: torch.zeros(64, dtype=torch.uint8)})
-    assert it.cheap(batch) is cheap
+    return it
+
+
+def _many(n: int) -> list[Any]:
+    lay = [[4], [1], 0, "float32"]
+    return [m.OP, "aten.cat.default", [[], *[1] * n], 1, [9], {"a": [[0] * n, 0], "l": [lay] * n,
+                                                              "o": [[0, [4 * n], [1], 0, "float32", 16 * n]]}]
+
+
+@pytest.mark.parametrize("batch, direct", [
+    ([_aten("aten.mm.default", 16), [m.READ, 1, 9]], True),   # a small matmul, a reduction, a loss: bounded
+    ([_aten("aten.sum.default", 16)], True),
+    ([_aten("aten.bernoulli.p", 16)], True),                  # on the session's own random stream
+    ([_aten("aten.mm.default", 100_000)], False),             # too many elements
+    ([_aten("aten.mm.default", 16, 1 << 30)], False),         # an output storage too big
+    ([_aten("aten.resize_.default", 16)], False),             # resizes: never off the worker
+    ([_aten("aten.no_such.op", 16)], False),
+    ([_many(16)], True),
+    ([_many(17)], False),                                     # too many operands
+])
+def test_small_bounded_aten_ops_may_run_on_the_caller_s_own_thread(batch: list[Any], direct: bool) -> None:
+    """``Session.direct`` (the embedded peer, on the caller's thread) also takes small non-pointwise ATen ops
+    (what precedes ``loss.item()``); the network loop still takes only pointwise and reducing ones."""
+    it = _torch_interp()
+    assert it.cheap(batch, True) is direct
+    assert it.cheap(batch) is (direct and batch[0][1] == "aten.sum.default")  # the loop: pointwise or reducing
 
 
 def test_inline_and_worker_give_the_same_values_and_errors(peer: Server) -> None:

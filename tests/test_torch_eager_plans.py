@@ -137,3 +137,33 @@ def test_the_plan_cache_is_bounded() -> None:
     assert values(s, many) == [0.0] * 400  # (a call too large to plan: the generic kernel)
     assert not any(b"aten.cat.default" in key and key.count(b"float32") >= 100  # (earlier tests' small cats: planned)
                    for k in kernels("aten.cat.default") for key in k.plans)
+
+
+def test_a_storage_read_through_a_kept_typed_view_follows_its_writes_and_layouts(dev: ember.Device) -> None:
+    """A planned call keeps the typed view it read a storage through (eager.py ``_VIEW``): the next call of
+    that shape on that storage sees every write made since, by any kernel, and another layout of the same
+    storage gets a view of its own; a result adopted whole (a flat uint8 view of it) is a storage like any."""
+    s = dev.session
+    a = storage(s, [1, 2, 3, 4])
+    kw = {"a": [0, 1], "l": [LAY], "o": SPEC}
+    tail = {"a": [0, 1], "l": [[[2], [1], 2, "float32"]], "o": [[0, [2], [1], 0, "float32", 8]]}
+    for k in range(3):
+        assert values(s, call(s, "aten.mul.Tensor", [2.0], [a], kw)) == [2.0 * v for v in values(s, a)]
+        assert values(s, call(s, "aten.mul.Tensor", [2.0], [a], tail)) == [2.0 * v for v in values(s, a)[2:]]
+        s.record([OP, "aten.fill_.Scalar", [[5.0 + k], a], 1, [], {"a": [0, 1], "l": [LAY], "o": []}])
+    r = call(s, "aten.add.Tensor", [1.0, 1], [a], {"a": [0, 1, 1], "l": [LAY], "o": SPEC})  # adopted whole
+    assert values(s, r) == [8.0] * 4
+    s.record([OP, "aten.fill_.Scalar", [[3.0], r], 1, [], {"a": [0, 1], "l": [LAY], "o": []}])  # written in place
+    assert values(s, call(s, "aten.mul.Tensor", [2.0], [r], kw)) == [6.0] * 4
+    assert values(s, a) == [7.0] * 4
+
+
+def test_a_kept_typed_view_follows_its_storage_when_it_grows(dev: ember.Device) -> None:
+    with dev:
+        x, host = torch.arange(4.0).to("ember"), torch.arange(4.0)
+        for _ in range(2):
+            assert torch.equal((x * 2).cpu(), host * 2)  # planned; the peer keeps x's typed view
+        x.resize_(4096)  # the peer's resize_ moves x's bytes to a larger allocation (same storage)
+        x[4:].fill_(7.0)
+        assert torch.equal((x[:4] * 2).cpu(), host * 2)  # the same call shape: read through the kept view
+        assert (x[4095] * 2).item() == 14.0

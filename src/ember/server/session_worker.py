@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import contextlib
 import queue
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -293,7 +295,8 @@ class Session:
         no worker in between. Only while the session is idle: every frame the client sent before
         (``sent``) handled by the pump, none waiting for or running on the worker, no other run
         under way (the run lock), and only batches the loop itself would run inline
-        (``Interpreter.cheap``: bounded, nothing that waits for the loop)."""
+        (``Interpreter.cheap``: bounded, nothing that waits for the loop; ``direct``: any bounded ATen op on
+        small layouts, not only a pointwise one: it blocks no loop, only its own caller)."""
         if not self.alive or self.lanes is not None or not self.inline or self.handled != sent \
                 or self.queued != self.done or not self._run_lock.acquire(False):
             return None
@@ -305,7 +308,10 @@ class Session:
                 batch = codec.decode_batch(frame, self.server.limits["max_frame"] + 4096, limits.max_messages)
             except ProtocolError:
                 return None  # the pump says why, and ends the session
-            if not batch or batch[0][0] in (m.PING, m.STATS, m.EXPOSE, m.CLOSE) or not self.interp.cheap(batch):
+            if not batch or batch[0][0] in (m.PING, m.STATS, m.EXPOSE, m.CLOSE) or not self.interp.cheap(batch, True):
+                return None
+            torch_state = _caller_torch_state() if self.interp._aten else _AS_IS
+            if torch_state is None:
                 return None
             received = time.perf_counter() if self.interp.probe.active else 0.0
             self.bytes_in += len(frame)
@@ -313,7 +319,8 @@ class Session:
             out = self._direct_out = []
             self._direct_thread = threading.get_ident()
             try:
-                self._run_here(batch, received)
+                with torch_state:
+                    self._run_here(batch, received)
             finally:
                 self._direct_out = None
             for f in out:
@@ -423,6 +430,22 @@ async def close_quietly(conn: FrameConnection) -> None:
     finally:
         reader.cancel()
 
+
+def _caller_torch_state() -> Any:
+    """What a caller's thread must run a direct batch's torch kernels under, to run them as the worker does:
+    None when it cannot (a ``torch.autocast`` region or a ``TorchDispatchMode`` of the user's around the
+    read would reach the peer's kernels: the batch takes the worker); else a context (inference mode off:
+    the peer's tensors are made as on the worker)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return _AS_IS
+    c = torch._C
+    if c._is_any_autocast_enabled() or c._len_torch_dispatch_stack():
+        return None
+    return c._InferenceMode(False) if torch.is_inference_mode_enabled() else _AS_IS
+
+
+_AS_IS = contextlib.nullcontext()  # (reusable: it keeps no state)
 
 
 __all__ = ["Session", "end_session", "close_quietly", "KEEPALIVE", "DECODED_FACTOR"]

@@ -157,8 +157,12 @@ class AtenKernel:
         #: how the kernel runs when not as ``op(*args, **kwargs)`` (the LSTM layer: in a grad mode, rnn_layer.py)
         self.special = rnn_layer.runner(op)
         self.unsafe_ok = self.check is not None and name.split(".")[1] in positions.UNSAFE_CHECKED
-        #: elementwise, no random stream, no resize: on small operands, cheap enough for the network loop
-        self.pointwise = torch.Tag.pointwise in op.tags and not self.seeded and not self.resize
+        #: elementwise or a reduction (work linear in its operands), no random stream, no resize: on small
+        #: operands, cheap enough for the network loop (``x.sum().item()``, an accuracy's ``(p == y).sum()``)
+        self.loop_ok = (torch.Tag.pointwise in op.tags or torch.Tag.reduction in op.tags) and not self.seeded \
+            and not self.resize
+        #: no resize, no RNN layer (a loop over time): on small operands, bounded enough for a caller's own thread
+        self.bounded = not self.resize and self.special is None
         #: the session's call shapes bound once (:mod:`.eager`), for an overload that writes no operand and
         #: needs no position check; else None
         self.plans = None if self.resize or self.check is not None or self.writes_any else plans

@@ -161,30 +161,31 @@ class Interpreter(GraphReplay, Holdings):
         self.handlers = tuple(h)
 
     # ---- batch ---------------------------------------------------------------
-    def cheap(self, batch: list[list[Any]]) -> bool:
+    def cheap(self, batch: list[list[Any]], direct: bool = False) -> bool:
         """Is this batch certainly cheap to run (bounded microseconds, nothing that can wait)?
 
-        NumPy and torch CPU devices only (a GPU read waits for the device); at most
-        ``INLINE_MAX_MESSAGES`` messages, each an elementwise op without keyword
-        arguments on arrays of at most ``INLINE_MAX_ELEMENTS`` elements that do not
-        broadcast each other up (one shape, or size 1), a read of at most
-        ``INLINE_MAX_BYTES``, a small upload, a sync or a drop; on torch, also a pointwise ATen op whose
-        operand and output layouts hold at most ``INLINE_MAX_ELEMENTS`` elements (``_cheap_aten``).
+        NumPy and torch CPU devices only (a GPU read waits for the device); at most ``INLINE_MAX_MESSAGES``
+        messages, each an elementwise op without keyword arguments on arrays of at most ``INLINE_MAX_ELEMENTS``
+        elements that do not broadcast each other up (one shape, or size 1), a read of at most
+        ``INLINE_MAX_BYTES``, a small upload, a sync or a drop; on torch, also a pointwise or reducing ATen op whose
+        operand and output layouts hold at most ``INLINE_MAX_ELEMENTS`` elements (``_cheap_aten``), or with
+        ``direct`` (on the caller's own thread: ``Session.direct``) any ``bounded`` ATen op on such layouts (a
+        reduction, a matmul, a loss: what precedes ``loss.item()``), at most 16 operands.
         """
         if not self._inline or len(batch) > INLINE_MAX_MESSAGES or self._stalled is not None:
             return False
         try:
-            return self._cheap(batch)
+            return self._cheap(batch, direct)
         except Exception:  # noqa: BLE001 - hostile fields (an unhashable name...): not cheap, the worker judges
             return False
 
-    def _cheap(self, batch: list[list[Any]]) -> bool:
+    def _cheap(self, batch: list[list[Any]], direct: bool) -> bool:
         t, aten = self.tensors, self._aten
         for msg in batch:
             kind = msg[0]
             if kind == m.OP:
                 if aten and len(msg) == 6 and type(msg[5]) is dict:
-                    if not self._cheap_aten(msg[1], msg[5]):
+                    if not self._cheap_aten(msg[1], msg[5], direct):
                         return False
                     continue
                 if len(msg) != 6 or msg[5] or msg[1] not in INLINE_OPS:
@@ -215,13 +216,13 @@ class Interpreter(GraphReplay, Holdings):
                 return False
         return True
 
-    def _cheap_aten(self, name: Any, kw: dict[str, Any]) -> bool:
-        """A pointwise ATen kernel on small layouts: operands ``l`` (size, stride, offset, dtype), outputs
-        ``o`` (position, size, stride, offset, dtype, bytes)."""
-        if type(name) is not str or not name.startswith("aten.") or not getattr(self.table.get(name), "pointwise", False):
+    def _cheap_aten(self, name: Any, kw: dict[str, Any], direct: bool) -> bool:
+        """A pointwise or reducing (``direct``: bounded) ATen kernel on small operand and output layouts."""
+        if type(name) is not str or not name.startswith("aten.") or \
+                not getattr(self.table.get(name), "bounded" if direct else "loop_ok", False):
             return False
         outs = kw.get("o")
-        if type(outs) is not list:  # data-dependent outputs
+        if type(outs) is not list or len(kw.get("l") or ()) > INLINE_MAX_MESSAGES:  # data-dependent outputs
             return False
         for lay in kw.get("l") or ():
             if math.prod(lay[0]) > INLINE_MAX_ELEMENTS:
