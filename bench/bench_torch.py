@@ -369,8 +369,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if t != "memory":
                 devs[t] = ember.connect(addrs[t])
         pd = None  # torch.compile(backend="ember") with the peer compiling the graphs: a session that asks
-        if "peercompile" in modes and ("tcp" in addrs or "websocket" in addrs):
-            pd = ember.connect(addrs.get("tcp") or addrs["websocket"], compile=True)
+        wire_t = [t for t in ("tcp", "websocket") if t in a.transports.split(",") and t in addrs]
+        if "peercompile" in modes and wire_t:
+            pd = ember.connect(addrs[wire_t[0]], compile=True)
         if "roundtrip" in only:
             report["figures"]["round_trip"] = round_trips(devs, a.samples)
         for name, kw in WORKLOADS.items():
