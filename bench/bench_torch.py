@@ -46,7 +46,8 @@ os.environ.setdefault("EMBER_OFFLINE", "1")
 def start_peer() -> tuple[subprocess.Popen, dict[str, str]]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "EMBER_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "ember.cli", "serve", "--device", "torch:cpu", "--websocket", "127.0.0.1:0",
-           "--tcp", "127.0.0.1:0", "--offline", "--bind", "127.0.0.1:0"]
+           "--tcp", "127.0.0.1:0", "--offline", "--bind", "127.0.0.1:0",
+           "--compile"]  # (compiled graphs only for sessions that ask: the +peer rows' connect(compile=True))
     if (os.cpu_count() or 1) >= 2:
         cmd = ["taskset", "-c", "1", *cmd]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -123,6 +124,8 @@ def compiled_step_time(kw: dict[str, Any], steps: int, backend: str = "ember", d
     for _ in range(3):
         step()
     step().item()
+    if device == "ember" and ember.torch.current_device().session.compiled:
+        wait_peer_compiles(step)
     t0 = time.perf_counter()
     for k in range(steps):
         loss = step()
@@ -130,6 +133,22 @@ def compiled_step_time(kw: dict[str, Any], steps: int, backend: str = "ember", d
             loss.item()
     loss.item()
     return (time.perf_counter() - t0) / steps
+
+
+def wait_peer_compiles(step: Callable[[], Any], timeout: float = 600.0) -> None:
+    """Run ``step`` until the peer has compiled every graph it was asked to (its session STATS say none is
+    pending), so the clock times compiled replays; the compile itself is reported apart (not in steps/s)."""
+    dev = ember.torch.current_device()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        step().item()
+        states = dev.stats()["peer"]["session"].get("compiled_graphs") or {}
+        if states.get("ready", 0) + states.get("failed", 0) and not states.get("pending", 0):
+            break
+        time.sleep(0.5)
+    for _ in range(3):
+        step()
+    step().item()
 
 
 def captured_step_time(kw: dict[str, Any], steps: int, per_step: dict[str, float] | None = None) -> float:
@@ -359,9 +378,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="comma-separated figures: " + ",".join([*WORKLOADS, "cpu", "big", "roundtrip", "generate"]))
     ap.add_argument("--samples", type=int, default=2000, help="round trips per latency figure")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    ap.add_argument("--modes", default="eager,compile,capture",
+    ap.add_argument("--modes", default="eager,compile,peercompile,capture",
                     help="remote step modes besides eager on every transport: compile (torch.compile(backend="
-                         "'ember') over TCP), capture (ember.torch.capture over TCP)")
+                         "'ember') over TCP), peercompile (the same, the peer compiling the graphs with inductor: "
+                         "a session that asks, connect(compile=True), of a peer started with --compile; timed once "
+                         "the peer's compiles are done), capture (ember.torch.capture over TCP)")
     a = ap.parse_args(argv)
     modes = set(a.modes.split(","))
     only = set(a.only.split(","))
@@ -375,6 +396,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for t in a.transports.split(","):
             if t != "memory":
                 devs[t] = ember.connect(addrs[t])
+        pd = None  # torch.compile(backend="ember") with the peer compiling the graphs: a session that asks
+        wire_t = [t for t in ("tcp", "websocket") if t in a.transports.split(",") and t in addrs]
+        if "peercompile" in modes and wire_t:
+            pd = ember.connect(addrs[wire_t[0]], compile=True)
         if "roundtrip" in only:
             report["figures"]["round_trip"] = round_trips(devs, a.samples)
         for name, kw in WORKLOADS.items():
@@ -389,6 +414,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if cd is not None and "compile" in modes:  # torch.compile(backend="ember"): graphs replayed without per-op dispatch
                 fns[f"{cd.address.split(':')[0]}+compile"] = lambda kw=kw, cd=cd: _on(
                     cd, lambda: compiled_step_time(kw, a.steps))
+            if pd is not None:  # the same, the peer replaying the graphs compiled by inductor (ember serve --compile)
+                fns[f"{pd.address.split(':')[0]}+compile+peer"] = lambda kw=kw: _on(
+                    pd, lambda: compiled_step_time(kw, a.steps))
             if cd is not None and "capture" in modes:  # ember.torch.capture: the whole step, one REPLAY
                 fns[f"{cd.address.split(':')[0]}+capture"] = lambda kw=kw, cd=cd: _on(
                     cd, lambda: captured_step_time(kw, a.steps))

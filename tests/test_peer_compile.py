@@ -130,7 +130,9 @@ def test_training_replays_through_the_compiled_path_of_a_peer_started_with_compi
                 return srv.compiler.stats()["replays"] >= 20
 
             remote = mlp_steps("ember", 5, ready)
+            states = d.stats()["peer"]["session"]["compiled_graphs"]  # (the session's STATS say so too)
         stats = srv.compiler.stats()
+        assert states["ready"] >= 1 and not states["pending"], states
     finally:
         srv.close()
     assert stats["compiled"] >= 1 and stats["replays"] >= 20, stats
@@ -154,6 +156,7 @@ def test_compiled_graphs_are_refused_by_a_peer_started_without_the_option() -> N
             assert not d.session.compiled and srv.compiler is None
             x = torch.arange(4.0).to("ember")
             assert (x * 2 + 1).cpu().tolist() == [1.0, 3.0, 5.0, 7.0]  # the session is served (eagerly)
+            assert d.stats()["peer"]["session"]["compiled_graphs"] is None
         with ember.connect(addr) as d:  # not asked: nothing to refuse
             assert not d.session.compiled
     finally:
@@ -263,3 +266,55 @@ def test_an_index_out_of_range_inside_a_compiled_graph_gets_the_eager_poison() -
     it.run_batch([[m.REPLAY, 1, [1, 2], [11], []], [m.REPLAY, 1, [1, 3], [12], []]])
     assert c.hits == 1 and it.tensors[11].view(torch.float32).tolist()[:4] == [4.0, 5.0, 6.0, 7.0]
     assert 12 not in it.tensors and "IndexError: index out of range" in it.poison[12].error["message"]
+
+
+@pytest.mark.timeout(600)
+def test_torch_compile_graphs_replay_compiled_on_a_peer_started_with_compile() -> None:
+    """torch.compile(backend="ember") on a session that asked: the forward and backward graphs AOTAutograd
+    hands over (a transformer's: layer norms and their backward, attention, embeddings) are compiled by the
+    peer and replayed through it, the backward's layer-norm steps included (checked once, at lowering:
+    program._layouts_pass); losses and parameters equal local CPU torch's within float tolerance."""
+    import ember
+    import ember.torch  # noqa: F401
+    from ember.server import Server
+    from ember.torch import workloads as W
+
+    def train(device: str, steps: int) -> Any:
+        torch.manual_seed(0)
+        model = W.TinyLM().to(device)
+        run = torch.compile(model, backend="ember") if device == "ember" else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(0)
+        batch = W.lm_batch()
+        losses = []
+        for _ in range(steps):
+            x, y = batch(g)
+            out = run(x.to(device))
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.to(device).reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, [p.detach().cpu() for p in model.parameters()]
+
+    srv = Server(["torch:cpu"], compile=True)
+    srv.listen_tcp("127.0.0.1", 0)
+    addr = srv.start_in_thread()[0]
+    try:
+        with ember.connect(addr, compile=True):
+            train("ember", 4)  # graphs registered, replayed, their compiles asked for
+        for c in list(srv.compiler.cache.values()):
+            assert c.done.wait(500), "the compile did not finish"
+        before = srv.compiler.stats()
+        longest = max(c.n_ops for c in srv.compiler.cache.values())
+        with ember.connect(addr, compile=True):
+            remote = train("ember", 8)
+        after = srv.compiler.stats()
+    finally:
+        srv.close()
+    assert before["ready"] >= 2 and after["replays"] - before["replays"] >= 10, (before, after)
+    assert longest >= 20, longest  # a graph's prefix, not only its first steps
+    local = train("cpu", 8)
+    torch.testing.assert_close(remote[0], local[0], rtol=1e-4, atol=1e-4)
+    for p, q in zip(remote[1], local[1]):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)

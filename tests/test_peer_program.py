@@ -189,3 +189,49 @@ def test_large_intermediates_are_written_into_buffers_kept_across_replays() -> N
     assert got[True][2] == [0, 1]  # the kept result (step 2) is not pooled
     assert 2 * 4 * n <= got[True][3] < 2 * 4 * n + (1 << 16)  # (and the graph's own entry)
     assert 2 * got[True][1] < got[False][1]  # fresh pages for the kept result only, not for all three
+
+
+def layer_norm_backward_graph(mean_rows: int) -> list[Any]:
+    """GRAPH 9: native_layer_norm_backward of a (2, 4) input over its last dim; ``mean_rows`` rows of
+    mean and rstd (2 is right; another count is what the position check refuses)."""
+    f = "float32"
+    x, s = [[2, 4], [4, 1], 0, f], [[mean_rows, 1], [1, 1], 0, f]
+    w = [[4], [1], 0, f]
+    kw = {"a": [0, 0, [4], 0, 0, 0, 0, [True, True, True]], "l": [x, x, s, s, w, w],
+          "o": [[0, [2, 4], [4, 1], 0, f, 32], [1, [4], [1], 0, f, 16], [2, [4], [1], 0, f, 16]]}
+    body = [["aten.native_layer_norm_backward.default", [6, 0, 1, 2, 3, 4, 5], 3, kw]]
+    return [m.GRAPH, 9, 6, [[]], body, [7, 8, 9], []]
+
+
+def test_a_layout_checked_op_is_checked_once_and_then_runs_as_a_fast_step() -> None:
+    """native_layer_norm_backward's position check reads layouts only: a graph's step of it is checked when
+    its program is lowered and then runs on the fast path (bit-equal to torch's kernel, and to the generic
+    replay); layouts the check refuses keep the step generic, refused at every replay as before."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b, go = (torch.randn(*s, generator=g) for s in ((2, 4), (4,), (4,), (2, 4)))
+    _, mean, rstd = torch.native_layer_norm(x, [4], w, b, 1e-5)
+    want = torch.ops.aten.native_layer_norm_backward(go, x, [4], mean, rstd, w, b, [True, True, True])
+    results = []
+    for program in (True, False):
+        it = interpreter()
+        for i, v in enumerate((go, x, mean, rstd, w, b)):
+            it.put(i + 1, v.contiguous().view(-1).view(torch.uint8).clone(), "upload")
+        it.run_batch([layer_norm_backward_graph(2)])
+        if not program:
+            it.graphs.peek(9).program = False
+        it.run_batch([[m.REPLAY, 9, [1, 2, 3, 4, 5, 6], [20 + 3 * k, 21 + 3 * k, 22 + 3 * k], []] for k in range(3)])
+        if program:
+            prog = it.graphs.peek(9).program
+            assert type(prog) is Program and prog.fast[0] is not None and prog.fast[0].trusted
+        results.append([it.tensors[i].view(torch.float32).tolist() for i in range(20, 29)])
+    assert results[0] == results[1]
+    assert results[0][6:] == [t.reshape(-1).tolist() for t in want]
+    it = interpreter()
+    for i, v in enumerate((go, x, torch.zeros(3), torch.zeros(3), w, b)):
+        it.put(i + 1, v.contiguous().view(-1).view(torch.uint8).clone(), "upload")
+    it.run_batch([layer_norm_backward_graph(3)] + [[m.REPLAY, 9, [1, 2, 3, 4, 5, 6], [30 + k, 40 + k, 50 + k], []]
+                                                   for k in range(2)])
+    prog = it.graphs.peek(9).program
+    assert not prog or prog.fast[0] is None
+    for k in range(2):
+        assert 30 + k not in it.tensors and "mean" in it.poison[30 + k].error["message"]

@@ -27,7 +27,11 @@ from ..client.graph import canon
 from ..protocol import messages as m
 from ._capture import recording
 from ._devices import apply_seed, materialize
-from ._storage import StorageRef, fresh_tensor, live_session, new_tensor, ref_or_none
+from ._storage import StorageRef, live_session, ref_or_none
+
+# (the replay makes its outputs as _storage.new_tensor does, with "meta in TLS" set once for all of them)
+_create = torch._C._acc.create_empty_tensor
+_meta_tls = torch._C._set_meta_in_tls_dispatch_include
 
 _OP = m.OP
 TRIES = 3  # captures per layout before a graph runs eagerly for good
@@ -48,13 +52,18 @@ class _Trace:
 
 
 class _Graph:
-    """A trace as one registered graph: REPLAY inputs (recorded sids) and kept outputs (recorded sids)."""
+    """A trace as one registered graph: REPLAY inputs (``in_pos``: the position of each among the call's ember
+    inputs, or ``~sid`` of a kept storage), kept outputs (recorded sids) and the fresh storages a replay names
+    (the outputs', and those the call's outputs are on)."""
 
-    __slots__ = ("entry", "n_ops", "inputs", "outs", "over")
+    __slots__ = ("entry", "n_ops", "in_pos", "outs", "fresh", "over")
 
-    def __init__(self, entry: Any, c: Any, fresh: list[int]) -> None:
-        self.entry, self.n_ops, self.inputs = entry, len(c.shape), c.inputs
-        self.outs = [fresh[s] for s in c.kept]
+    def __init__(self, entry: Any, c: Any, t: _Trace) -> None:
+        self.entry, self.n_ops = entry, len(c.shape)
+        pos = {sid: j for j, sid in enumerate(t.inputs)}
+        self.in_pos = [pos[x] if x in pos else ~x for x in c.inputs]
+        self.outs = [t.fresh[s] for s in c.kept]
+        self.fresh = list(dict.fromkeys([*self.outs, *(o[1] for o in t.outputs if o[0] == "fresh")]))
         self.over = entry.overrides(c.scalars)
 
 
@@ -63,7 +72,7 @@ def _as_graph(t: _Trace, session: Any) -> Any:
     outs = {o[1] for o in t.outputs if o[0] == "fresh"}
     c = canon(t.messages, set(t.fresh) - outs)
     entry = session.graph_entry(c) if c is not None else None
-    return False if entry is None else _Graph(entry, c, t.fresh)
+    return False if entry is None else _Graph(entry, c, t)
 
 
 def _replayable(msgs: list[list[Any]]) -> bool:
@@ -170,47 +179,67 @@ class Replayer:
         session = live_session(first)
         apply_seed(session)  # torch.manual_seed since the last random op: as eager, before this graph's
         ids = session.ids
-        sub = dict(zip(t.inputs, (r.sid for r in refs if r is not None)))
-        new = {f: next(ids) for f in t.fresh}
-        sub.update(new)
         for s in t.kept:
-            r = s._ember
-            live_session(r)
-            sub[r.sid] = r.sid
+            live_session(s._ember)
         if t.graph is None:
             t.graph = _as_graph(t, session)
         g = t.graph
         graphed = bool(g) and not recording()
+        cur = [r.sid for r in refs if r is not None]
         if graphed:  # one REPLAY (inside ember.torch.capture: the ops, for its own graph)
-            session.replay_graph(g.entry, g.n_ops, [sub[x] for x in g.inputs], [new[o] for o in g.outs], g.over)
+            new = {f: next(ids) for f in g.fresh}  # (ids for its outputs only: intermediates never get one)
+            session.replay_graph(g.entry, g.n_ops, [cur[x] if x >= 0 else ~x for x in g.in_pos],
+                                 [new[o] for o in g.outs], g.over)
         else:
+            new = {f: next(ids) for f in t.fresh}
+            sub = dict(zip(t.inputs, cur))
+            sub.update(new)
+            for s in t.kept:
+                sub[s._ember.sid] = s._ember.sid
             record = session.record
             for msg in t.messages:
                 a = msg[2]
                 record([msg[0], msg[1], [a[0], *[sub[x] for x in a[1:]]] if a else a, msg[3],
                         [new[o] for o in msg[4]], msg[5]])
-        device = first.device
-        storages: dict[int, Any] = {}
-        outs: list[Any] = []
-        inputs = [a for a, r in zip(args, refs) if r is not None]
-        for o in t.outputs:
-            if o[0] == "none":
-                outs.append(None)
-                continue
-            dtype, size, stride, offset, grad = o[2:]
-            if o[0] == "fresh":
-                x = fresh_tensor(storages, new[o[1]], session, device, dtype, size, stride, offset)
-            elif o[0] == "input":
-                x = new_tensor(dtype, size, stride, offset, storage=inputs[o[1]].untyped_storage())
-            else:
-                x = new_tensor(dtype, size, stride, offset, storage=t.kept[o[1]])
-            outs.append(x.requires_grad_() if grad else x)
+        outs = _outputs(t, new, session, first.device, [a for a, r in zip(args, refs) if r is not None])
         if not graphed:
+            made = {o[1] for o in t.outputs if o[0] == "fresh"}
             for f, sid in new.items():
-                if sid not in storages:
+                if f not in made:
                     session.release(sid)  # an intermediate: freed on the peer after the ops that use it
         stats["replays"] += 1
         return outs
+
+
+def _outputs(t: _Trace, new: dict[int, int], session: Any, device: Any, inputs: list[Any]) -> list[Any]:
+    """The replay's outputs in the captured layouts: on the fresh storages ``new`` names (one storage per id),
+    on an input's storage, or on a kept one."""
+    storages: dict[int, Any] = {}
+    outs: list[Any] = []
+    _meta_tls(True)
+    try:
+        for o in t.outputs:
+            kind = o[0]
+            if kind == "none":
+                outs.append(None)
+                continue
+            dtype, size, stride, offset, grad = o[2:]
+            x = _create((0,), dtype)
+            if kind == "fresh":
+                sid = new[o[1]]
+                st = storages.get(sid)
+                if st is None:
+                    st = storages[sid] = x.untyped_storage()
+                    st._ember = StorageRef(sid, session, device)
+            elif kind == "input":
+                st = inputs[o[1]].untyped_storage()
+            else:
+                st = t.kept[o[1]]
+            x.set_(st, offset, size, stride)
+            outs.append(x.requires_grad_() if grad else x)
+    finally:
+        _meta_tls(False)
+    return outs
 
 
 def _key(args: tuple[Any, ...], refs: list[StorageRef | None], session: Any) -> Any:
@@ -225,8 +254,7 @@ def _key(args: tuple[Any, ...], refs: list[StorageRef | None], session: Any) -> 
             continue
         if r.session is not session:
             return None
-        parts.append((a.dtype, tuple(a.shape), tuple(a.stride()), a.storage_offset(), a.requires_grad,
-                      first.setdefault(r.sid, k)))
+        parts.append((a.dtype, a.shape, a.stride(), a.storage_offset(), a.requires_grad, first.setdefault(r.sid, k)))
     return tuple(parts)
 
 

@@ -200,6 +200,15 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._d)
 
+    def compiled_states(self) -> dict[str, int]:
+        """How many of these graphs' compiled prefixes (:mod:`.compiled`) are pending, ready or failed."""
+        out = {"pending": 0, "ready": 0, "failed": 0}
+        for g in list(self._d.values()):  # (a copy: telemetry may look while the session's worker adds)
+            c = g.program.comp if g.program else None
+            if c:
+                out[c.state] = out.get(c.state, 0) + 1
+        return out
+
     def __contains__(self, gid: Any) -> bool:
         return gid in self._d
 

@@ -286,6 +286,11 @@ def _margin_backward(a: Named) -> None:
     _numel("margin loss backward", "grad_output", a["grad_output"], n if int(a["reduction"]) == 0 else 1)
 
 
+#: Checks that read the operands' layouts (shapes, numels) and literal arguments only, never a value: a
+#: registered graph's step of such an op is checked once when its program is lowered (its layouts are the
+#: same at every replay) and then runs unchecked on the fast path (``program._layouts_pass``).
+LAYOUT_CHECKS = frozenset({"native_layer_norm_backward", "_log_softmax_backward_data", "_softmax_backward_data"})
+
 #: Ops whose ``unsafe=True`` (skip the kernel's own checks) may pass through: the check here covers what it skips.
 UNSAFE_CHECKED = frozenset({"segment_reduce"})
 
@@ -335,4 +340,4 @@ def bound(op: Any, check: Check | None) -> Callable[[list[Any], dict[str, Any]],
     return run
 
 
-__all__ = ["checker", "bound", "CHECKS", "UNSAFE_CHECKED", "PositionError"]
+__all__ = ["checker", "bound", "CHECKS", "UNSAFE_CHECKED", "LAYOUT_CHECKS", "PositionError"]

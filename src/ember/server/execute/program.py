@@ -119,13 +119,15 @@ class Program:
     def _lower(self, i: int, s: Any, g: Any, n_in: int, first_out: int) -> FastStep | None:
         aten, torch = self.aten, self.torch
         fn, regs, oregs, kw, name, _, err = s
-        if err is not None or type(fn) is not aten.AtenKernel or fn.resize or fn.check is not None \
+        if err is not None or type(fn) is not aten.AtenKernel or fn.resize \
                 or not isinstance(kw, dict) or set(kw) != {"a", "l", "o"} or not isinstance(kw["o"], list):
-            return None  # (an op whose operand values are positions runs its check: AtenKernel.run, generic)
+            return None
         a, lays, specs = kw["a"], kw["l"], kw["o"]
         if not isinstance(lays, list) or not isinstance(a, list) or len(a) != len(fn.args) \
                 or len(regs) != 1 + len(lays) or len(oregs) != len(specs):
             return None
+        if fn.check is not None and not _layouts_pass(fn, a, lays, aten, torch):
+            return None  # (an op whose operand values are positions runs its check: AtenKernel.run, generic)
         sreg = regs[0]
         if not n_in <= sreg < first_out or any(n_in <= r < first_out for r in regs[1:]):
             return None
@@ -487,6 +489,27 @@ def _maker(plan: list[Any], kwplan: dict[str, Any], op: Any, draw: Any, baked: l
             _MAKERS[src] = make
     tail = consts + list(baked or ())
     return lambda trs: make(op, draw, _MISS, *trs, *tail)
+
+
+def _layouts_pass(fn: Any, a: list[Any], lays: list[Any], aten: Any, torch: Any) -> bool:
+    """May a step of checked op ``fn`` run as a fast step (unchecked at replay)? Only when its check reads
+    the operands' layouts alone (``positions.LAYOUT_CHECKS``: every replay binds the same layouts), the
+    template has no scalar a replay could override, and the check passes here, once, on meta tensors in
+    those layouts."""
+    if fn.name.split(".")[1] not in aten.positions.LAYOUT_CHECKS or _scalar_count(fn, a, aten.A):
+        return False
+    try:
+        metas = []
+        for lay in lays:
+            size, stride, off, dt = lay
+            dtype = aten.DTYPES[dt]
+            n = -(-aten.A.layout_extent(lay, aten.ITEMSIZE) // dtype.itemsize)
+            metas.append(torch.empty(max(n, 1), dtype=dtype, device="meta").as_strided(size, stride, off))
+        args, kwargs, _ = fn._bind(a, metas, [])
+        fn.check(args, kwargs)
+    except Exception:  # noqa: BLE001 - refused (or malformed): the generic step runs the check and says why
+        return False
+    return True
 
 
 def _scalar_count(k: Any, a: list[Any], A: Any) -> int:

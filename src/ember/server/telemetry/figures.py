@@ -227,7 +227,9 @@ class Figures:
                 "graphs_cached": len(it.graphs), "tensors": len(it.tensors), "poisoned": len(it.poison),
                 "bytes_held": mem["held"], "budget_bytes": mem["limit"],
                 "budget_peak_bytes": mem["peak"], "budget_refusals": mem["refusals"],
-                "last_error": self.last_error.get(s.label)}
+                "last_error": self.last_error.get(s.label),
+                # (a session that agreed on compiled graphs: its graphs' compiled prefixes, by state)
+                "compiled_graphs": it.graphs.compiled_states() if it.compiler is not None else None}
 
     def _server_info(self) -> dict[str, Any]:
         srv = self.server
