@@ -28,6 +28,16 @@ def server() -> Iterator[Server]:
     srv.close()
 
 
+@pytest.fixture(scope="module")
+def torch_tcp_server() -> Iterator[Server]:
+    """A torch:cpu peer serving TCP on 127.0.0.1, in a background thread of this process, for the module."""
+    srv = Server(["torch:cpu"])
+    srv.listen_tcp("127.0.0.1", 0)
+    srv.start_in_thread()
+    yield srv
+    srv.close()
+
+
 @pytest.fixture
 def make_peer() -> Iterator:
     """``make_peer(*hosts, iroh=False, **server_options)``: NumPy peers serving WebSocket on each host

@@ -156,3 +156,29 @@ def test_a_compiled_graph_is_one_replay_per_call_without_dispatch() -> None:
         assert s.stats["replays"] == r0 + 10 and ember.torch.counters["ops"] == ops0
         assert s.stats["ops"] - m0 <= 10 + 2  # one REPLAY each (and the SYNC; drops ride along)
         assert all(torch.equal(o.cpu(), want) for o in outs)
+
+
+def test_ember_s_own_kernels_are_never_compiled_by_dynamo() -> None:
+    """An LSTM under ``torch.compile`` runs ember's kernels (its AutogradPrivateUse1 LSTM, the dispatch fallback)
+    in the compiled region's eager part, where Dynamo's frame hook is armed: Dynamo compiles the model's frame
+    and none of ember's (before: ~140 frames of ember's dispatch code, its recompile limit hit, the step 0.3x)."""
+    from torch._dynamo.utils import counters
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.lin = torch.nn.LSTM(8, 8, 2, batch_first=True), torch.nn.Linear(8, 4)
+
+        def forward(self, x: Any) -> Any:
+            return self.lin(self.rnn(x)[0])
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    m = M().to("ember")
+    f = torch.compile(m, backend="ember")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        f(torch.randn(2, 5, 8, generator=g).to("ember")).sum().backward()
+    assert counters["frames"]["total"] <= 4, dict(counters["frames"])
+    assert m.lin.weight.grad is not None and torch.isfinite(m.lin.weight.grad.cpu()).all()

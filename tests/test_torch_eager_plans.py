@@ -29,21 +29,12 @@ LAY = [[4], [1], 0, "float32"]
 SPEC = [[0, [4], [1], 0, "float32", 16]]
 
 
-@pytest.fixture(scope="module")
-def peer() -> Iterator[Server]:
-    srv = Server(["torch:cpu"])
-    srv.listen_tcp("127.0.0.1", 0)
-    srv.start_in_thread()
-    yield srv
-    srv.close()
-
-
 @pytest.fixture(params=["embedded", "tcp"])
-def dev(request: Any, peer: Server) -> Iterator[ember.Device]:
+def dev(request: Any, torch_tcp_server: Server) -> Iterator[ember.Device]:
     if request.param == "embedded":
         yield ember.torch.current_device()
         return
-    d = ember.connect(next(a for a in peer.addresses if a.startswith("tcp://")))
+    d = ember.connect(next(a for a in torch_tcp_server.addresses if a.startswith("tcp://")))
     yield d
     d.close()
 

@@ -29,15 +29,6 @@ from ember.transport import tcp_exchange  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def peer() -> Iterator[Server]:
-    srv = Server(["torch:cpu"])
-    srv.listen_tcp("127.0.0.1", 0)
-    srv.start_in_thread()
-    yield srv
-    srv.close()
-
-
 @pytest.fixture
 def patient(monkeypatch: Any) -> None:
     """A caller waits for its answer on its own thread up to 5 s before handing the link to the loop, so a
@@ -46,11 +37,11 @@ def patient(monkeypatch: Any) -> None:
 
 
 @pytest.fixture(params=["embedded", "tcp"])
-def dev(request: Any, peer: Server, patient: None) -> Iterator[ember.Device]:
+def dev(request: Any, torch_tcp_server: Server, patient: None) -> Iterator[ember.Device]:
     if request.param == "embedded":
         yield ember.torch.current_device()
         return
-    d = ember.connect(next(a for a in peer.addresses if a.startswith("tcp://")))
+    d = ember.connect(next(a for a in torch_tcp_server.addresses if a.startswith("tcp://")))
     yield d
     d.close()
 

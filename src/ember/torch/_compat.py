@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..errors import EmberError
@@ -25,4 +27,46 @@ def check_torch() -> None:
             hint=f"pip install 'ember[torch]' (torch {TESTED})")
 
 
-__all__ = ["UnsupportedTorch", "check_torch", "TESTED"]
+def hide_from_dynamo(*fns: Any) -> None:
+    """Dynamo never compiles these functions' frames, nor any frame they call, at no cost per call.
+
+    torch's dispatcher calls ember's kernels (the PrivateUse1 fallback, the LSTM and SDPA kernels, ...)
+    from inside a compiled region's eager parts, where Dynamo's frame hook is armed: unhidden, it
+    tried to compile ember's own dispatch code at run time (the LSTM under ``torch.compile`` hit its
+    recompile limit in ``_dispatch`` and ran at 0.3x instead of 0.5x). ``torch._dynamo.disable`` would
+    do the same at a few microseconds per call; this marks the code objects once (a no-op where torch
+    has no such hook)."""
+    ev = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    action, strategy = getattr(ev, "_FrameAction", None), getattr(ev, "_FrameExecStrategy", None)
+    mark = getattr(ev, "set_code_exec_strategy", None)
+    if action is None or strategy is None or mark is None:
+        return
+    skip = strategy(action.SKIP, action.SKIP)
+    for fn in fns:
+        code = getattr(getattr(fn, "func", fn), "__code__", None)
+        if code is not None:
+            _mark(code, mark, skip)
+
+
+def _mark(code: Any, mark: Any, skip: Any) -> None:
+    mark(code, skip)
+    for c in code.co_consts:  # (functions made inside it: closures, one per op, share these)
+        if hasattr(c, "co_consts"):
+            _mark(c, mark, skip)
+
+
+def hide_modules_from_dynamo(modules: list[Any]) -> None:
+    """:func:`hide_from_dynamo` for every function and method defined in ``modules``."""
+    fns: list[Any] = []
+    for mod in modules:
+        for v in list(vars(mod).values()):
+            if getattr(v, "__module__", None) != mod.__name__:
+                continue
+            if isinstance(v, type):
+                fns.extend(f for f in vars(v).values() if hasattr(f, "__code__"))
+            elif hasattr(v, "__code__"):
+                fns.append(v)
+    hide_from_dynamo(*fns)
+
+
+__all__ = ["UnsupportedTorch", "check_torch", "hide_from_dynamo", "hide_modules_from_dynamo", "TESTED"]
