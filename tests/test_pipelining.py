@@ -118,3 +118,12 @@ def test_keep_freed_pages_sets_glibc_s_thresholds() -> None:
         assert ok
     else:
         assert ok is False
+
+
+def test_serve_refuses_a_keep_freed_size_it_cannot_read() -> None:
+    """``ember serve --keep-freed`` takes a size (``0``: off); anything else is refused with the reason, exit 2."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--keep-freed", "lots", "--no-iroh",
+                        "--tcp", "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--keep-freed" in r.stderr, r.stderr

@@ -12,7 +12,7 @@ from ..errors import EmberError
 from ..server import Server
 from ..server.guard.limits import ClientLimits
 from ..server.guard.auth import all_of, allowlist_authorizer, peer_id, read_peer_list, read_secret_file, token_authorizer
-from ..server.guard.memory import keep_freed_pages, parse_size
+from ..server.guard.memory import KEEP_FREED, keep_freed_pages, parse_size
 from ..transport.websocket import is_loopback
 
 
@@ -35,6 +35,9 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
                      help="memory budget of each device (e.g. 16GiB; default 75%% of RAM, 90%% of a GPU's memory)")
     lim.add_argument("--session-memory", type=_size, default=None, metavar="SIZE",
                      help="memory budget of each session (default: its device's budget)")
+    lim.add_argument("--keep-freed", type=_size, default=KEEP_FREED, metavar="SIZE",
+                     help="freed host memory each session thread keeps for reuse while its session lasts "
+                          "(glibc; default 512MiB; 0: give it back at once, as a plain process does)")
     d = ClientLimits()  # the defaults, and their one source
     lim.add_argument("--max-sessions", type=int, default=d.max_sessions, metavar="N",
                      help=f"sessions in all (default {d.max_sessions})")
@@ -172,7 +175,8 @@ def describe_devices(server: Server) -> str:
 
 def serve(args: argparse.Namespace) -> int:
     server = build_server(args)
-    keep_freed_pages()  # this process is the peer's alone: buffers reused, not faulted in afresh each step
+    if args.keep_freed:  # this process is the peer's alone: buffers reused, not faulted in afresh each step
+        keep_freed_pages(trim_threshold=args.keep_freed)
     if not server.listeners:
         print("ember serve: error: no transport to serve on", file=sys.stderr)
         print("  hint: drop --no-iroh, or add --websocket 127.0.0.1:0 or --tcp 127.0.0.1:0", file=sys.stderr)

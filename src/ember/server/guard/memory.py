@@ -149,7 +149,11 @@ def _libc_handle() -> Any:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # (glibc's malloc.h)
 
 
-def keep_freed_pages(mmap_threshold: int = 32 << 20, trim_threshold: int = 512 << 20) -> bool:
+#: ``ember serve --keep-freed``'s default: free space a malloc heap keeps at its top for the next buffers.
+KEEP_FREED = 512 << 20
+
+
+def keep_freed_pages(mmap_threshold: int = 32 << 20, trim_threshold: int = KEEP_FREED) -> bool:
     """Make glibc keep what kernels free for the next step's buffers, as a GPU caching allocator does.
 
     By default a peer's session thread allocates from a secondary malloc arena whose heap glibc
@@ -157,16 +161,19 @@ def keep_freed_pages(mmap_threshold: int = 32 << 20, trim_threshold: int = 512 <
     then touches hundreds to thousands of fresh pages (page faults and zeroing: a GPT step's kernels
     ran ~1.3x slower on the peer than in a local process, which keeps its main-arena pages).
     Blocks up to ``mmap_threshold`` (32 MiB, glibc's maximum) now come from the heap, and up to
-    ``trim_threshold`` of free space at a heap's top stays mapped; ``give_back_freed`` still returns
-    everything when a session ends. Process-wide: called by ``ember serve`` only, never in a
-    user's process (the embedded peer). A no-op (False) where glibc is not the allocator.
+    ``trim_threshold`` of free space at a heap's top stays mapped (``ember serve --keep-freed``; each
+    session's thread has its own heap, so a peer may hold that much per open session beyond what its
+    budgets count); ``give_back_freed`` still returns everything when a session ends. Process-wide:
+    called by ``ember serve`` only, never in a user's process (the embedded peer). A no-op (False)
+    where glibc is not the allocator.
     """
     with _trim_lock:
         libc = _libc_handle()
         if not libc:
             return False
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and \
-            bool(libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+        most = (1 << 31) - 1  # (mallopt takes a C int)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, min(mmap_threshold, most))) and \
+            bool(libc.mallopt(_M_TRIM_THRESHOLD, min(trim_threshold, most)))
 
 
 def give_back_freed(min_interval: float = 1.0, force: bool = False) -> bool:
@@ -507,5 +514,5 @@ class SessionMemory:
 
 
 __all__ = ["DeviceMemory", "SessionMemory", "parse_size", "format_bytes", "default_limit", "footprint_for",
-           "give_back_freed", "keep_freed_pages", "host_copy_bytes",
+           "give_back_freed", "keep_freed_pages", "KEEP_FREED", "host_copy_bytes",
            "physical_memory", "HOST_FRACTION", "GPU_FRACTION"]
