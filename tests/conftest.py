@@ -38,6 +38,18 @@ def torch_tcp_server() -> Iterator[Server]:
     srv.close()
 
 
+@pytest.fixture(params=["embedded", "tcp"])
+def embedded_or_tcp(request: pytest.FixtureRequest, torch_tcp_server: Server) -> Iterator[ember.Device]:
+    """A torch device: the embedded peer, and ``torch_tcp_server`` over TCP (closed afterwards)."""
+    if request.param == "embedded":
+        from ember.torch import current_device
+        yield current_device()
+        return
+    d = ember.connect(next(a for a in torch_tcp_server.addresses if a.startswith("tcp://")))
+    yield d
+    d.close()
+
+
 @pytest.fixture
 def make_peer() -> Iterator:
     """``make_peer(*hosts, iroh=False, **server_options)``: NumPy peers serving WebSocket on each host

@@ -9,7 +9,7 @@ spec. Over the embedded peer (where ``Session.direct`` runs it on the caller's t
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +20,6 @@ import ember  # noqa: E402
 import ember.torch  # noqa: E402
 from ember.errors import RemoteExecutionError  # noqa: E402
 from ember.protocol import messages as m  # noqa: E402
-from ember.server import Server  # noqa: E402
 from ember.server.execute import eager  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,14 +28,9 @@ LAY = [[4], [1], 0, "float32"]
 SPEC = [[0, [4], [1], 0, "float32", 16]]
 
 
-@pytest.fixture(params=["embedded", "tcp"])
-def dev(request: Any, torch_tcp_server: Server) -> Iterator[ember.Device]:
-    if request.param == "embedded":
-        yield ember.torch.current_device()
-        return
-    d = ember.connect(next(a for a in torch_tcp_server.addresses if a.startswith("tcp://")))
-    yield d
-    d.close()
+@pytest.fixture
+def dev(embedded_or_tcp: ember.Device) -> ember.Device:
+    return embedded_or_tcp
 
 
 def storage(s: Any, values: Any, dtype: Any = np.float32) -> int:
