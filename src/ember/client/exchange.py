@@ -67,8 +67,7 @@ class Exchanging:
                 except Exception:  # noqa: BLE001 - never lose the frame: the ordinary way reports any fault
                     answers = None
                 if answers is None:
-                    s._frames.append(frame)
-                    s.loop.call_soon_threadsafe(s._kick)
+                    self._to_sender_locked(frame)
                     return
             else:
                 self._exchanging.add(req)
@@ -112,8 +111,7 @@ class Exchanging:
         if frame is None:
             return  # (several frames: queued for the sender)
         if not calm.writable(len(frame)):  # large, or no room: the sender waits for the socket, not we
-            s._frames.append(frame)
-            s.loop.call_soon_threadsafe(s._kick)
+            self._to_sender_locked(frame)
             return
         try:
             calm.write(frame)  # in order: the sender is idle and we hold its lock
@@ -122,6 +120,13 @@ class Exchanging:
             return
         if calm.parked and self._awaited():  # (as the sender does before a frame: an answer must be read)
             s.loop.call_soon_threadsafe(self._reader_wanted)
+
+    def _to_sender_locked(self, frame: bytes) -> None:
+        """Under the session's lock: a frame taken from ``_flush_locked(take=True)`` goes the ordinary way
+        after all (to the loop's sender, in order)."""
+        s: Any = self
+        s._frames.append(frame)
+        s.loop.call_soon_threadsafe(s._kick)
 
     def _awaited(self) -> bool:
         """Does any request wait for an answer the loop must read (not an upload's waiter, keyed ``-id``:

@@ -27,8 +27,9 @@ def check_torch() -> None:
             hint=f"pip install 'ember[torch]' (torch {TESTED})")
 
 
-def hide_from_dynamo(*fns: Any) -> None:
-    """Dynamo never compiles these functions' frames, nor any frame they call, at no cost per call.
+def hide_from_dynamo(modules: list[Any]) -> None:
+    """Dynamo never compiles a frame of a function or method defined in ``modules``, nor any frame it calls,
+    at no cost per call.
 
     torch's dispatcher calls ember's kernels (the PrivateUse1 fallback, the LSTM and SDPA kernels, ...)
     from inside a compiled region's eager parts, where Dynamo's frame hook is armed: unhidden, it
@@ -42,10 +43,13 @@ def hide_from_dynamo(*fns: Any) -> None:
     if action is None or strategy is None or mark is None:
         return
     skip = strategy(action.SKIP, action.SKIP)
-    for fn in fns:
-        code = getattr(getattr(fn, "func", fn), "__code__", None)
-        if code is not None:
-            _mark(code, mark, skip)
+    for mod in modules:
+        for v in list(vars(mod).values()):
+            if getattr(v, "__module__", None) != mod.__name__:
+                continue
+            for f in vars(v).values() if isinstance(v, type) else (v,):
+                if hasattr(f, "__code__"):
+                    _mark(f.__code__, mark, skip)
 
 
 def _mark(code: Any, mark: Any, skip: Any) -> None:
@@ -55,18 +59,4 @@ def _mark(code: Any, mark: Any, skip: Any) -> None:
             _mark(c, mark, skip)
 
 
-def hide_modules_from_dynamo(modules: list[Any]) -> None:
-    """:func:`hide_from_dynamo` for every function and method defined in ``modules``."""
-    fns: list[Any] = []
-    for mod in modules:
-        for v in list(vars(mod).values()):
-            if getattr(v, "__module__", None) != mod.__name__:
-                continue
-            if isinstance(v, type):
-                fns.extend(f for f in vars(v).values() if hasattr(f, "__code__"))
-            elif hasattr(v, "__code__"):
-                fns.append(v)
-    hide_from_dynamo(*fns)
-
-
-__all__ = ["UnsupportedTorch", "check_torch", "hide_from_dynamo", "hide_modules_from_dynamo", "TESTED"]
+__all__ = ["UnsupportedTorch", "check_torch", "hide_from_dynamo", "TESTED"]

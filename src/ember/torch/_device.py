@@ -167,9 +167,9 @@ def register() -> None:
         from . import _rnn  # nn.LSTM on a CPU peer: CPU torch's oneDNN layer ops, not per-step cells
         _libs.append(_rnn.install())
         import sys
-        from ._compat import hide_modules_from_dynamo  # ember's kernels run below torch.compile, never in it
-        hide_modules_from_dynamo([m for n, m in list(sys.modules.items()) if n.startswith("ember.torch._")
-                                  and n != "ember.torch._compile"])
+        from ._compat import hide_from_dynamo  # ember's kernels run below torch.compile, never in it
+        hide_from_dynamo([m for n, m in list(sys.modules.items()) if n.startswith("ember.torch._")
+                          and n != "ember.torch._compile"])
         _registered = True
 
 

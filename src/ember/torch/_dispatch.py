@@ -38,9 +38,6 @@ _TENSOR, _TENSOR_LIST, _SCALAR, _LITERAL = A.TENSOR, A.TENSOR_LIST, A.SCALAR, A.
 _BY_VALUE = frozenset({A.STRING, A.DTYPE, A.MEMORY_FORMAT})  # (keyed by their value, as the generic walk does)
 _FRESH, _VIEW, _INPUT = _meta.FRESH, _meta.VIEW, _meta.INPUT
 _Tensor = torch.Tensor
-_create = torch._C._acc.create_empty_tensor
-_meta_tls = torch._C._set_meta_in_tls_dispatch_include
-_EMPTY_SIZE = (0,)
 _NUMBER = (bool, int, float, complex)
 #: Ops handled by ``_patches`` instead of the generic path (id(op) -> handler).
 SPECIAL: dict[int, Callable[..., Any]] = {}
@@ -345,16 +342,8 @@ def _run(i: OpInfo, plan: _meta.Plan, operands: list[torch.Tensor], refs: list[S
     out = []
     for o in plan.outputs:
         kind = o[0]
-        if kind == _FRESH:  # (new_tensor, inlined: the commonest output)
-            t = _create(_EMPTY_SIZE, o[2])
-            st = t.untyped_storage()
-            st._ember = fresh[o[1]]
-            _meta_tls(True)
-            try:
-                t.set_(st, o[5], o[3], o[4])
-            finally:
-                _meta_tls(False)
-            out.append(t)
+        if kind == _FRESH:
+            out.append(new_tensor(o[2], o[3], o[4], o[5], ref=fresh[o[1]]))
         elif kind == _VIEW:
             base = operands[o[1]]
             if _inference_mode() and not base.is_inference():

@@ -280,19 +280,20 @@ class CalmLink:
         c = self.conn
         if nbytes > SMALL_WRITE or c._closed or c._broken or c._lock.locked():
             return False
-        p = self._polls.get(select.POLLOUT)
-        if p is None:
-            p = self._polls[select.POLLOUT] = select.poll()
-            p.register(self.fd, select.POLLOUT)
-        return bool(p.poll(0))
+        return bool(self._poller(select.POLLOUT).poll(0))
 
     def _poll(self, event: int, deadline: float) -> bool:
         """Wait until the socket is readable (``POLLIN``) or writable, at most until ``deadline``."""
         left = deadline - time.monotonic()
         if left <= 0:
             return False
+        return bool(self._poller(event).poll(left * 1000))
+
+    def _poller(self, event: int) -> Any:
+        """The socket's poll object for ``event``, made once and reused: only one thread polls at a time (the
+        gate's holder; for ``POLLOUT``, a writer holding its user's lock)."""
         p = self._polls.get(event)
-        if p is None:  # (one poll object per event, reused: only the gate's holder polls)
+        if p is None:
             p = self._polls[event] = select.poll()
             p.register(self.fd, event)
-        return bool(p.poll(left * 1000))
+        return p

@@ -499,12 +499,9 @@ def _layouts_pass(fn: Any, a: list[Any], lays: list[Any], aten: Any, torch: Any)
     if fn.name.split(".")[1] not in aten.positions.LAYOUT_CHECKS or _scalar_count(fn, a, aten.A):
         return False
     try:
-        metas = []
-        for lay in lays:
-            size, stride, off, dt = lay
-            dtype = aten.DTYPES[dt]
-            n = -(-aten.A.layout_extent(lay, aten.ITEMSIZE) // dtype.itemsize)
-            metas.append(torch.empty(max(n, 1), dtype=dtype, device="meta").as_strided(size, stride, off))
+        meta = torch.device("meta")
+        metas = [aten.operand(torch.empty(aten.A.layout_extent(lay, aten.ITEMSIZE), dtype=torch.uint8, device=meta),
+                              lay, meta) for lay in lays]  # (each layout over a storage that just holds it)
         args, kwargs, _ = fn._bind(a, metas, [])
         fn.check(args, kwargs)
     except Exception:  # noqa: BLE001 - refused (or malformed): the generic step runs the check and says why
