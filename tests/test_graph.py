@@ -318,3 +318,26 @@ def test_a_periodic_stream_that_changes_falls_back(connect: Callable[..., ember.
         return x.to_numpy().tolist()
 
     assert run(connect(graphs=False)) == run(connect())
+
+
+def test_a_held_group_is_compared_by_its_keyword_objects_then_by_their_encoding() -> None:
+    """A held group is canonicalised without encoding its keyword arguments: the very objects of the
+    candidate's ops (a cached plan's) match at once; equal copies match by their encoding; a value the
+    protocol cannot carry makes it no graph (it is then sent as ops), without raising."""
+    from ember.client.graph import canon
+
+    kw = {"l": [[[4], [1], 0, "float32"]]}
+
+    def group(kwargs: Any, first: int) -> list[list[Any]]:
+        return [[5, "aten.add.Tensor", [[], 1, 2], 1, [first], kwargs],
+                [5, "aten.mul.Tensor", [[], first, 2], 1, [first + 1], kwargs]]
+    cand = canon(group(kw, 10), set())
+    assert cand is not None
+    same_objects = canon(group(kw, 20), set(), check_kws=False)
+    copies = canon(group({"l": [[[4], [1], 0, "float32"]]}, 30), set(), check_kws=False)
+    other = canon(group({"l": [[[4], [1], 0, "float64"]]}, 40), set(), check_kws=False)
+    bad = canon(group({"l": object()}, 50), set(), check_kws=False)
+    assert same_objects is not None and copies is not None and other is not None and bad is not None
+    assert cand.same(same_objects) and cand.same(copies)
+    assert not cand.same(other) and not cand.same(bad)
+    assert canon(group({"l": object()}, 60), set()) is None  # checked up front, as a candidate's own is

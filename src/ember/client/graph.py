@@ -83,8 +83,19 @@ class Canon:
         return self._kwb
 
     def same(self, other: "Canon") -> bool:
-        return (self.shape == other.shape and self.types == other.types and self.kept == other.kept
-                and self.consumed == other.consumed and self.kw_bytes() == other.kw_bytes())
+        if not (self.shape == other.shape and self.types == other.types and self.kept == other.kept
+                and self.consumed == other.consumed):
+            return False
+        a, b = self.kws, other.kws
+        for x, y in zip(a, b):
+            if x is not y:
+                break
+        else:  # the very objects (a cached plan's keyword arguments): encoded alike, no need to encode them
+            return self._kwb is not None or other._kwb is not None  # (one side was shown encodable)
+        try:
+            return self.kw_bytes() == other.kw_bytes()
+        except Exception:  # noqa: BLE001 - a value the protocol cannot carry: not this graph
+            return False
 
     @property
     def n_in(self) -> int:
@@ -112,9 +123,11 @@ class Canon:
         return body, [base + s for s in self.kept]
 
 
-def canon(ops: list[list[Any]], dropped: set[int] | frozenset[int]) -> Canon | None:
+def canon(ops: list[list[Any]], dropped: set[int] | frozenset[int], check_kws: bool = True) -> Canon | None:
     """Canonicalise a group of OP messages; None when it cannot be a graph (odd messages, or values
-    that cannot be encoded: a GRAPH and its REPLAYs are then always encodable).
+    that cannot be encoded: a GRAPH and its REPLAYs are then always encodable). ``check_kws=False``: the
+    keyword arguments are encoded only when compared (:meth:`Canon.same`): a held group whose ops carry
+    the candidate's own keyword objects, as cached plans' do, is never encoded.
 
     Runs once per held group at its boundary, so it is written for speed: one pass,
     no comprehension frames, dict lookups through bound methods.
@@ -155,7 +168,7 @@ def canon(ops: list[list[Any]], dropped: set[int] | frozenset[int]) -> Canon | N
     if len(slots) != n:
         return None  # an id used twice as an output
     try:  # a value the protocol cannot carry: not a graph (sent as ops, the batch drops that one alone)
-        kwb = codec.packb(kws)
+        kwb = codec.packb(kws) if check_kws else None
         codec.packb(scalars)
     except Exception:
         return None

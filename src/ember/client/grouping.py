@@ -116,11 +116,11 @@ class GroupHolding:
         first = g[0][1]
         cl = self._cands.get(first)
         if timed_out is not None and c is None and len(g) == timed_out.n:
-            k = canon(g, dropped)  # it would have replayed, had it been held long enough: hold longer
+            k = canon(g, dropped, check_kws=False)  # it would have replayed, had it been held long enough: hold longer
             if k is not None and timed_out.matches(k):
                 self._hold_s = min(self.graph_hold_max, max(self._hold_s, 2 * (time.monotonic() - self._hold_t0)))
         if c is not None:
-            k = canon(g, dropped) if len(g) == c.n else None
+            k = canon(g, dropped, check_kws=False) if len(g) == c.n else None
             if k is not None and cl:
                 for i, cand in enumerate(cl):  # same ops, maybe another aliasing or release pattern
                     if cand.n == c.n and cand.matches(k) and self._queue_replay(cand, k):

@@ -31,8 +31,9 @@ from ._storage import StorageRef, dtype_name, live_session, new_tensor, set_layo
 _OP = m.OP
 _inference_mode = torch.is_inference_mode_enabled
 _cache: dict[Any, _meta.Plan] = {}
-#: The fast path's plans: (op info, per positional argument its layout or literal) -> (plan, defaults' scalars).
-_fast: dict[tuple[Any, ...], tuple[_meta.Plan, list[Any]]] = {}
+#: The fast path's plans: (op info, per positional argument its layout or literal) -> (plan, defaults' scalars,
+#: the one fresh output ``_run_one`` builds, or None).
+_fast: dict[tuple[Any, ...], tuple[_meta.Plan, list[Any], tuple[Any, ...] | None]] = {}
 _CACHE_MAX = 1 << 16
 _TENSOR, _TENSOR_LIST, _SCALAR, _LITERAL = A.TENSOR, A.TENSOR_LIST, A.SCALAR, A.LITERAL
 _BY_VALUE = frozenset({A.STRING, A.DTYPE, A.MEMORY_FORMAT})  # (keyed by their value, as the generic walk does)
@@ -220,6 +221,8 @@ def _generic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if hit is not None:
             counters["ops"] += 1
             counters["fast"] += 1
+            if hit[2] is not None and note is None:
+                return _run_one(i, hit[0], refs, scalars + hit[1] if hit[1] else scalars, hit[2])
             return _run(i, hit[0], operands, refs, scalars + hit[1] if hit[1] else scalars)
     values = bound(i, args, kwargs)
     try:
@@ -245,7 +248,7 @@ def _generic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if walked is not None:  # the next such call skips bound and _walk: the defaults' scalars are constant
         if len(_fast) >= _CACHE_MAX:
             _fast.clear()
-        _fast[walked[0]] = (plan, scalars[len(walked[3]):])
+        _fast[walked[0]] = (plan, scalars[len(walked[3]):], _one_fresh(i, plan, refs))
     return _run(i, plan, operands, refs, scalars)
 
 
@@ -310,6 +313,32 @@ def _fast_operand(v: Any, operands: list[torch.Tensor], refs: list[StorageRef]) 
         refs.append(r)
         return (v.dtype, v.shape, v.stride(), v.storage_offset(), alias)
     return None if v is None else False
+
+
+def _one_fresh(i: OpInfo, plan: _meta.Plan, refs: list[StorageRef]) -> tuple[Any, ...] | None:
+    """The output of a plan that sends one message and returns one new tensor on its one fresh storage
+    (most calls: ``a + b``, ``mm``, an activation), which ``_run_one`` runs; else None."""
+    if not (refs and plan.send and plan.ret == "one" and plan.n_fresh == 1 and len(plan.outputs) == 1
+            and not plan.grow and not plan.relayout and not i.seeded and i.refused is None):
+        return None
+    o = plan.outputs[0]
+    return o if o[0] == _FRESH else None
+
+
+def _run_one(i: OpInfo, plan: _meta.Plan, refs: list[StorageRef], scalars: list[Any], o: tuple[Any, ...]) -> Any:
+    """``_run`` for a plan ``_one_fresh`` describes, with ``o`` its output: the same message, the same tensor."""
+    r0 = refs[0]
+    dev = r0.device
+    for r in refs:
+        if r.device is not dev:
+            device_of(refs, i)  # (raises: two devices)
+        if r.pending is not None:
+            materialize(r)
+    s = live_session(r0)
+    sid = next(s.ids)
+    s.record([_OP, i.name, [scalars, *[r.sid for r in refs]], 1, [sid], plan.kwargs])
+    counters["messages"] += 1
+    return new_tensor(o[2], o[3], o[4], o[5], ref=StorageRef(sid, s, dev))
 
 
 def _run(i: OpInfo, plan: _meta.Plan, operands: list[torch.Tensor], refs: list[StorageRef],
