@@ -334,3 +334,55 @@ def test_a_silent_tcp_link_mid_exchange_gives_session_lost_then_reconnects(peer_
         _lose_and_reconnect(f"tcp://127.0.0.1:{proxy.port}", proxy, hb=2.0)
     finally:
         proxy.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_unpark_that_finds_a_failing_caller_holding_the_gate_is_not_lost(peer_server, patient):
+    """The loop asks for its reader (``unpark``) in the moment a caller's ``begin`` holds the gate and then
+    gives up: the caller hands the decision back to the loop (``settle``), which leaves the link calm
+    when nothing is awaited, so the next round trip is again the caller's own (not a lost request that
+    only an ordinary round trip would clear)."""
+    import asyncio
+
+    d = ember.connect(_address(peer_server, "tcp://"))
+    try:
+        a = xp.asarray(np.arange(4.0), device=d)
+        assert float(xp.sum(a)) == 6.0  # the link is calm now: parked, answered on this thread
+        s = d.session
+        calm = s._calm
+        assert calm is not None and calm.parked
+
+        def loop_runs(fn):
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), s.loop).result(10)  # (callbacks before it ran)
+            done = threading.Event()
+            s.loop.call_soon_threadsafe(lambda: (fn(), done.set()))
+            assert done.wait(10)
+
+        real = calm.gate
+
+        class RacingGate:  # begin takes the gate, the loop's unpark comes, then begin's re-check fails
+            def acquire(self, blocking=True):
+                got = real.acquire(blocking)
+                if got and threading.current_thread() is threading.main_thread():
+                    loop_runs(calm.unpark)
+                    assert calm.unpark_wanted and calm.parked  # unpark found the gate held: left to us
+                return got
+
+            def release(self):
+                real.release()
+
+            def locked(self):
+                return real.locked()
+
+        calm.gate = RacingGate()
+        try:
+            assert not calm.begin()
+        finally:
+            calm.gate = real
+        loop_runs(lambda: None)  # the settle the caller asked for has run
+        assert not calm.unpark_wanted and calm.parked  # nothing is awaited: the link stays calm
+        before = _exchanges(d)
+        assert float(xp.sum(a + 1)) == 10.0
+        assert _exchanges(d) == before + 1  # the next round trip is the caller's own
+    finally:
+        d.close()

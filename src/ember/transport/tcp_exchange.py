@@ -185,6 +185,8 @@ class CalmLink:
                 and c._q.empty() and not c._closed and not c._broken and not c._lock.locked():
             return True
         self.gate.release()
+        if self.unpark_wanted:  # the loop asked for its reader while we held the gate, and could not take it
+            self._settle_soon()
         return False
 
     def write(self, frame: bytes) -> None:
@@ -255,18 +257,20 @@ class CalmLink:
                     handing_back()
             self.gate.release()
             if self.unpark_wanted:
-                try:
-                    self.loop.call_soon_threadsafe(self.settle)
-                except RuntimeError:  # the loop is gone
-                    pass
+                self._settle_soon()
 
     def release(self) -> None:
         """Give the gate back without reading (the write failed, or there was nothing to send)."""
         self.unpark_wanted = True
         self.gate.release()
+        self._settle_soon()
+
+    def _settle_soon(self) -> None:
+        """After giving the gate back with ``unpark_wanted`` set: the loop decides (``settle``), since an
+        ``unpark`` that found the gate held left it to the holder."""
         try:
             self.loop.call_soon_threadsafe(self.settle)
-        except RuntimeError:
+        except RuntimeError:  # the loop is gone
             pass
 
     def writable(self, nbytes: int) -> bool:
