@@ -40,3 +40,16 @@ def test_bench_scripts_are_thin_entry_points() -> None:
     for name in ("run_suite.py", "bench_small_ops.py"):
         src = (ROOT / "bench" / name).read_text()
         assert "from ember.bench import main" in src
+
+
+@pytest.mark.timeout(120)
+def test_client_overhead_bench_runs_with_the_batch_never_sent_mid_run() -> None:
+    """``bench_client_overhead.py`` checks that no timed run sends its batch; it failed that check for
+    months (the peer's ``max_messages`` caps the batch) and nothing noticed: run it, quickly."""
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_client_overhead.py"), "--quick", "--repeat",
+                        "1", "--json"], capture_output=True, text=True, timeout=110, cwd=ROOT,
+                       env=dict(os.environ, EMBER_OFFLINE="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = json.loads(p.stdout)["results"]
+    assert all(us > 0 for col in results.values() for us in col.values())
+    assert "a + b" in results["graph capture on (default)"]
