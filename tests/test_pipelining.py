@@ -8,6 +8,7 @@ its session's finished batches grow with no read from the client and an idle tim
 
 from __future__ import annotations
 
+import threading
 from typing import Iterator
 
 import numpy as np
@@ -69,6 +70,37 @@ def test_replayed_groups_reach_the_peer_between_reads(server: Server, scheme: st
         # no read yet: the peer has run the steps the client decided (all but the last, still held; 20 ops each)
         assert wait_until(lambda: _replayed(server) - before >= 8 * 20, timeout=30), (_replayed(server) - before, s.stats)
         want = np.full(8, 11.0)
+        for _ in range(10):
+            want = want * 1.5 + 1.0
+        np.testing.assert_array_equal(y.to_numpy(), want)
+    finally:
+        dev.close()
+
+
+def test_a_step_with_its_inputs_upload_leaves_from_the_recording_thread_over_tcp(server: Server, monkeypatch) -> None:
+    """A step's batch that carries its input (a 32 KiB upload riding in the batch: over ``SMALL_WRITE``)
+    is still written by the recording thread when the socket's send queue takes it whole
+    (``LARGE_WRITE``), rather than waiting for the I/O loop's thread to get the GIL."""
+    from ember.transport import tcp_exchange
+
+    big: list[int] = []
+    write = tcp_exchange.CalmLink.write
+
+    def counting(self, frame):
+        if len(frame) > tcp_exchange.SMALL_WRITE and threading.current_thread() is threading.main_thread():
+            big.append(len(frame))
+        return write(self, frame)
+    monkeypatch.setattr(tcp_exchange.CalmLink, "write", counting)
+    dev = ember.connect(_address(server, "tcp://"), idle_flush=NEVER, graph_hold=NEVER)
+    try:
+        y = None
+        for i in range(12):
+            x = xp.asarray(np.full(4096, float(i)), device=dev)  # 32 KiB, in the batch with the last replay
+            y = x
+            for _ in range(10):
+                y = y * 1.5 + 1.0
+        assert len(big) >= 8, (big, dev.session.stats)
+        want = np.full(4096, 11.0)
         for _ in range(10):
             want = want * 1.5 + 1.0
         np.testing.assert_array_equal(y.to_numpy(), want)

@@ -30,17 +30,27 @@ from __future__ import annotations
 import asyncio
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Any, Callable
+
+try:
+    import fcntl
+    import termios
+except ImportError:  # pragma: no cover - not POSIX: large frames are always the loop's to write
+    fcntl = termios = None  # type: ignore[assignment]
 
 #: How long a caller waits for its answer on its own before it hands the connection to the loop.
 PATIENCE = 0.05
 #: The longest a caller's write may take (a calm socket takes a small frame at once).
 WRITE_TIMEOUT = 5.0
-#: The largest frame a caller writes without the loop (``CalmLink.writable``): with the socket writable
-#: (TCP reports room only when a third of its buffer is free) such a frame leaves in one ``send``.
+#: Up to this size a caller writes a frame without the loop (``CalmLink.writable``) when the socket is
+#: writable (TCP reports room only when a third of its buffer is free): such a frame leaves in one ``send``.
 SMALL_WRITE = 16 << 10
+#: Up to this size (a step's batch with its inputs' uploads, say), only when the socket's send queue has
+#: room for twice the frame now (``SIOCOUTQ`` against ``SO_SNDBUF``): it too leaves in one ``send``, at once.
+LARGE_WRITE = 256 << 10
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -275,16 +285,23 @@ class CalmLink:
 
     def writable(self, nbytes: int) -> bool:
         """Can a caller write a frame of ``nbytes`` now, with no answer to read (``write`` without ``begin``),
-        and without waiting? Only a small frame (``SMALL_WRITE``), while the connection is open, no send of
-        the loop's is under way and the socket has room (a peer that stopped reading — back-pressure while
-        its worker catches up — must make the loop's sender wait, never the recording thread). The caller
+        and without waiting? Only a frame the socket takes whole in one ``send`` (``SMALL_WRITE`` with the
+        socket writable, ``LARGE_WRITE`` with room for it twice in the send queue), while the connection is
+        open and no send of the loop's is under way (a peer that stopped reading — back-pressure while its
+        worker catches up — must make the loop's sender wait, never the recording thread). The caller
         must also hold the lock its user queues frames under, with the user's sender idle
         (``ClientSession._send_now_locked``), so that nothing else writes until it is done. Reading is the
         loop's (or an exchange's) as before."""
         c = self.conn
-        if nbytes > SMALL_WRITE or c._closed or c._broken or c._lock.locked():
+        if nbytes > LARGE_WRITE or c._closed or c._broken or c._lock.locked():
             return False
-        return bool(self._poller(select.POLLOUT).poll(0))
+        if nbytes <= SMALL_WRITE:
+            return bool(self._poller(select.POLLOUT).poll(0))
+        try:  # larger: only into a send queue that takes it whole (the peer's window does not matter then)
+            queued = struct.unpack("i", fcntl.ioctl(self.fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+            return queued + 2 * nbytes <= self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        except (OSError, AttributeError):  # (not Linux: the loop's sender writes it)
+            return False
 
     def _poll(self, event: int, deadline: float) -> bool:
         """Wait until the socket is readable (``POLLIN``) or writable, at most until ``deadline``."""
