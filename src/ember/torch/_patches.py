@@ -372,6 +372,32 @@ def _install_threads() -> None:
     torch.set_num_threads = set_num_threads
 
 
+def _install_backward_thread() -> None:
+    """A backward pass from ember roots runs on the calling thread (torch's ``set_multithreading_enabled
+    (False)`` for its duration), not on autograd's PrivateUse1 device thread: every ember kernel is Python,
+    so each node there cost a GIL hand-off between two threads. The engine's graph and its order of
+    nodes are unchanged (one thread runs them either way), and so are the results. Measured, eager over
+    TCP against local CPU torch, alternating: 2-layer GPT 0.43 -> 0.71x, LSTM 0.45 -> 0.58x, MLP 0.52 ->
+    0.56x (a loaded box)."""
+    import torch.autograd as autograd
+    run = autograd._engine_run_backward
+    if getattr(run, "_ember", False):
+        return
+    is_on, set_on, Tensor = torch._C._is_multithreading_enabled, torch._C._set_multithreading_enabled, torch.Tensor
+
+    @functools.wraps(run)
+    def _engine_run_backward(t_outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if not is_on() or not any(isinstance(t, Tensor) and t.device.type == "ember" for t in t_outputs):
+            return run(t_outputs, *args, **kwargs)
+        set_on(False)
+        try:
+            return run(t_outputs, *args, **kwargs)
+        finally:
+            set_on(True)
+    _engine_run_backward._ember = True  # type: ignore[attr-defined]
+    autograd._engine_run_backward = _engine_run_backward
+
+
 def install() -> list[Any]:
     """Install the patches; returns the torch.library registrations to keep alive."""
     lib = torch.library.Library("aten", "IMPL")
@@ -384,6 +410,7 @@ def install() -> list[Any]:
     _install_pinning()
     _install_default_compile()
     _install_threads()
+    _install_backward_thread()
     from . import _checkpoint
     _checkpoint.install()
     return [lib]
