@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from . import spin
+
 #: How long a caller waits for its answer on its own before it hands the connection to the loop.
 PATIENCE = 0.05
 #: The longest a caller's write may take (a calm socket takes a small frame at once).
@@ -216,6 +218,7 @@ class CalmLink:
         or ends, and what ``on_frame`` raises."""
         c = self.conn
         deadline = time.monotonic() + min(timeout, PATIENCE)
+        hot = spin.SPIN > 0
         back = True
         try:
             while not done():
@@ -232,8 +235,10 @@ class CalmLink:
                     need = 4 + size
                 else:
                     need = 4
-                if self.unpark_wanted or not self._poll(select.POLLIN, deadline):
+                if self.unpark_wanted or not (hot and spin.poll_hot(self._poller(select.POLLIN), deadline)
+                                              or self._poll(select.POLLIN, deadline)):
                     return False  # wanted elsewhere, or slow: the loop waits for it
+                hot = False  # (polled without sleeping once per exchange at most: transport/spin.py)
                 c._compact(need)
                 try:
                     r = self.sock.recv_into(c._view[c._end:])
