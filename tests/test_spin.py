@@ -64,7 +64,8 @@ def test_hot_selector_returns_an_event_from_its_hot_wait_and_keeps_timers(pair, 
         assert sel.select(0.02) == []  # a timer due sooner ends the hot wait, as it ends a sleep
         assert time.monotonic() - t0 < 30.0
         assert sel.hot_waits == 1
-        sel.hot_until = 0.0  # cold: an ordinary wait
+        sel.keep_hot()
+        sel.cool()  # cold again: an ordinary wait
         b.send(b"y")
         assert [k.fileobj for k, _ in sel.select(1.0)] == [a] and sel.hot_waits == 1
     finally:
@@ -129,6 +130,9 @@ def test_a_hot_peer_answers_round_trips_from_its_hot_wait(hot_peer):
             for i in range(20):
                 assert (a + i).sum().item() == float(torch.arange(3.0).add(i).sum())
             assert sel.hot_waits - before >= 10  # requests found the peer's loop polling, not asleep
+            big = torch.ones(1 << 16, device="ember")  # past the inline bound: the worker runs it
+            assert (big * 2).sum().item() == float(2 << 16)
+            assert sel.hot_until == 0.0  # cooled when the batch went to the worker (its Python needs the GIL)
     finally:
         d.close()
     d = ember.connect(next(a for a in srv.addresses if a.startswith("tcp://")), device=0)  # NumPy, inline too

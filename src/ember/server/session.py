@@ -232,8 +232,11 @@ async def _pump(server: SessionHost, session: Session) -> None:
             await _send_marked(session, now[0])
         if inline and not session.sending:
             await _send_now(session)
-        if inline and keep_hot is not None and _workers_idle(server):
-            keep_hot()  # the client's next small request is likely near: wait for it without sleeping
+        if keep_hot is not None:
+            if not inline:
+                session.loop.cool()  # type: ignore[attr-defined]  # (the worker's Python needs the GIL)
+            elif _workers_idle(server):
+                keep_hot()  # the client's next small request is likely near: wait for it without sleeping
         if batch[-1][0] == m.CLOSE:
             session.end = ["client_closed", "closed by the client"]
             return

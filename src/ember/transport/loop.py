@@ -44,7 +44,7 @@ def hot_event_loop() -> asyncio.AbstractEventLoop:
         return new_event_loop()
     sel = spin.HotSelector()
     loop = asyncio.SelectorEventLoop(sel)
-    loop.keep_hot = sel.keep_hot  # type: ignore[attr-defined]
+    loop.keep_hot, loop.cool = sel.keep_hot, sel.cool  # type: ignore[attr-defined]
     return loop
 
 

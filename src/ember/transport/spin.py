@@ -78,6 +78,10 @@ class HotSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
         if s > 0:
             self.hot_until = time.monotonic() + s
 
+    def cool(self) -> None:
+        """Sleep as usual from now on (a worker got work: a hot loop would take the GIL from its Python)."""
+        self.hot_until = 0.0
+
 
 def poll_hot(poller: Any, deadline: float) -> bool:
     """Poll ``poller`` (a ``select.poll`` with the one event wanted) without sleeping until the event
