@@ -167,3 +167,37 @@ def test_a_spinning_client_still_hears_its_peer_die(monkeypatch):
                     (a + 1).sum().item()
     finally:
         d.close()
+
+
+def test_backoff_skips_more_chances_after_each_wasted_hot_wait_and_starts_over_on_a_hit():
+    b = spin.Backoff()
+    assert b.want() and b.want()  # nothing wasted yet
+    b.missed()
+    assert [b.want() for _ in range(3)] == [False, False, True]
+    b.missed()
+    assert [b.want() for _ in range(5)] == [False] * 4 + [True]
+    for _ in range(20):
+        b.missed()
+    assert sum(not b.want() for _ in range(200)) == 64  # bounded: a link that pays again is tried soon
+    b.hit()
+    b.missed()
+    assert [b.want() for _ in range(3)] == [False, False, True]
+
+
+def test_a_hot_wait_in_vain_backs_the_selector_off(pair, monkeypatch):
+    monkeypatch.setattr(spin, "SPIN", 0.005)
+    a, _b = pair
+    sel = spin.HotSelector()
+    try:
+        sel.register(a, 1)
+        sel.keep_hot()
+        assert sel.hot_until > 0
+        assert sel.select(1.0) == []  # nothing came while hot, then nothing while asleep (1 s)
+        assert sel.hot_until == 0.0 and sel.backoff.skip == 2
+        sel.keep_hot()
+        sel.keep_hot()
+        assert sel.hot_until == 0.0  # the two chances after a wasted hot wait sleep at once
+        sel.keep_hot()
+        assert sel.hot_until > 0
+    finally:
+        sel.close()

@@ -65,6 +65,7 @@ class CalmLink:
         self._fut: asyncio.Future | None = None
         self._reading = False   # a reader is registered for ``_fut``
         self.exchanges = self.handbacks = 0
+        self.backoff = spin.Backoff()  # (does polling hot for an answer pay on this link? transport/spin.py)
         self._polls: dict[int, Any] = {}
         #: Set by the connection's user: does anything await an answer the loop must read? (``settle``)
         self.awaited: Callable[[], bool] | None = None
@@ -235,7 +236,8 @@ class CalmLink:
                     need = 4 + size
                 else:
                     need = 4
-                if self.unpark_wanted or not (hot and spin.poll_hot(self._poller(select.POLLIN), deadline)
+                if self.unpark_wanted or not (hot and spin.poll_hot(self._poller(select.POLLIN), deadline,
+                                                                    self.backoff)
                                               or self._poll(select.POLLIN, deadline)):
                     return False  # wanted elsewhere, or slow: the loop waits for it
                 hot = False  # (polled without sleeping once per exchange at most: transport/spin.py)
