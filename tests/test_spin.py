@@ -201,3 +201,21 @@ def test_a_hot_wait_in_vain_backs_the_selector_off(pair, monkeypatch):
         assert sel.hot_until > 0
     finally:
         sel.close()
+
+
+def test_a_peer_sharing_its_process_never_polls_hot():
+    """``start_in_thread`` (tests, notebooks) and the embedded peer share their process with user code: their
+    loops sleep as usual (only ``Server.run``, a peer process's own loop, may poll hot)."""
+    from ember.embedded import local_server
+    srv = Server(["cpu"])
+    srv.listen_tcp("127.0.0.1", 0)
+    srv.start_in_thread()
+    try:
+        assert srv._loop is not None and not hasattr(srv._loop, "keep_hot")
+        d = ember.connect("local")
+        np.testing.assert_array_equal((xp.asarray(np.arange(3.0), device=d) + 1).to_numpy(), np.arange(3.0) + 1)
+        loops = [s.loop for s in list(local_server().live)]  # (served on the client's own I/O loop)
+        assert loops and not any(hasattr(lp, "keep_hot") for lp in loops)
+        d.close()
+    finally:
+        srv.close()

@@ -50,7 +50,7 @@ class Backoff:
     for longer, a training step's read, say), the next 2, 4, ... 64 chances sleep at once; a hot wait that
     catches its event starts over. A wasted hot wait costs the CPU's fair share on a shared core."""
 
-    __slots__ = ("skip", "misses")
+    __slots__ = ("misses", "skip")
 
     def __init__(self) -> None:
         self.skip = 0
