@@ -194,3 +194,21 @@ def test_a_users_dispatch_mode_does_not_see_the_peer_s_cpu_kernels() -> None:
         with Spy():
             assert (m @ m).sum().item() == 64.0
     assert not any("mm" in f or "sum" in f for f in seen), seen
+
+
+def test_small_reads_copy_their_bytes_straight_from_the_storage():
+    """A torch CPU peer answers a small read with a copy of the storage's own bytes (``Backend.small_bytes``):
+    the same bytes a NumPy view gives, for a value at any offset of its storage; anything else goes the
+    general way (None)."""
+    import numpy as np
+
+    from ember.server.execute.backends import make_backend
+    f = make_backend("torch:cpu").small_bytes(64)
+    base = torch.arange(100, dtype=torch.uint8)
+    for v in (base[:8], base[10:50], base[:0], base[3:67]):
+        got = f(v)
+        assert type(got) is bytes and got == np.asarray(v).tobytes()
+    assert f(base[:65]) is None  # over the limit
+    assert f(base[::2][:8]) is None  # not contiguous
+    assert f(base.view(torch.int8)[:8]) is None and f(torch.zeros(2, 2, dtype=torch.uint8)) is None
+    assert make_backend("cpu").small_bytes(64) is None  # (NumPy devices read through to_host)

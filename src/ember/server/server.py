@@ -346,7 +346,7 @@ class Server:
                 except (NotImplementedError, RuntimeError):
                     pass
             await self.serve(ready, listening)
-        run_loop(main())
+        run_loop(main(), hot=True)  # (the process's own loop: it may poll hot after a small answer)
 
     def start_in_thread(self, timeout: float = 30.0) -> list[str]:
         """Serve on a background thread (tests, notebooks); return the addresses once listening."""

@@ -181,6 +181,7 @@ async def _pump(server: SessionHost, session: Session) -> None:
     assert sender is not None
     max_frame = server.limits["max_frame"] + 4096
     window, outbox = limits.stage_window, session.outbox
+    keep_hot = getattr(session.loop, "keep_hot", None)  # a peer process's own loop (transport/spin.py)
     while not sender.done() and session.alive:
         if session.inflight() > limits.max_inflight:
             await _wait_for_worker(session)
@@ -231,11 +232,29 @@ async def _pump(server: SessionHost, session: Session) -> None:
             await _send_marked(session, now[0])
         if inline and not session.sending:
             await _send_now(session)
+        if keep_hot is not None:
+            if not inline:
+                session.loop.cool()  # type: ignore[attr-defined]  # (the worker's Python needs the GIL)
+            elif _workers_idle(server):
+                keep_hot()  # the client's next small request is likely near: wait for it without sleeping
         if batch[-1][0] == m.CLOSE:
             session.end = ["client_closed", "closed by the client"]
             return
     if sender.done():
         session.end = ["lost", "the connection broke while sending"]
+
+
+def _workers_idle(server: SessionHost) -> bool:
+    """No session's worker has a batch (a loop polling without sleeping would take the GIL from its
+    Python); only judged for a few sessions (else: not idle)."""
+    live = server.live
+    if len(live) > _HOT_SESSIONS:
+        return False
+    return all(s.queued == s.done for s in list(live))
+
+
+#: Above this many sessions the loop never polls hot (it has work enough, and judging costs a pass).
+_HOT_SESSIONS = 16
 
 
 async def _end_when_silent(session: Session, timeout: float) -> None:

@@ -7,6 +7,8 @@ import asyncio
 import os
 from typing import Any
 
+from . import spin
+
 
 def uvloop_module() -> Any:
     """The ``uvloop`` module when installed and not disabled by ``EMBER_UVLOOP=0``, else None."""
@@ -34,12 +36,26 @@ def install_uvloop() -> bool:
     return True
 
 
-def run_loop(coro: Any) -> Any:
-    """``asyncio.run(coro)`` on a new loop of :func:`new_event_loop` (uvloop's when available)."""
+def hot_event_loop() -> asyncio.AbstractEventLoop:
+    """A peer's own loop (``ember serve``): uvloop's when available, else asyncio's over a
+    :class:`~ember.transport.spin.HotSelector`, whose ``keep_hot`` the session pump calls after a small
+    inline answer (``loop.keep_hot``; see :mod:`ember.transport.spin`)."""
+    if uvloop_module() is not None or not spin.SPIN:
+        return new_event_loop()
+    sel = spin.HotSelector()
+    loop = asyncio.SelectorEventLoop(sel)
+    loop.keep_hot, loop.cool = sel.keep_hot, sel.cool  # type: ignore[attr-defined]
+    return loop
+
+
+def run_loop(coro: Any, hot: bool = False) -> Any:
+    """``asyncio.run(coro)`` on a new loop of :func:`new_event_loop` (uvloop's when available);
+    ``hot``: of :func:`hot_event_loop` (a peer process's own loop, never one sharing its process with
+    user code)."""
     runner = getattr(asyncio, "Runner", None)
     if runner is None:  # Python 3.10: asyncio's own loop
         return asyncio.run(coro)
-    with runner(loop_factory=new_event_loop) as r:
+    with runner(loop_factory=hot_event_loop if hot else new_event_loop) as r:
         return r.run(coro)
 
 

@@ -41,6 +41,8 @@ try:
 except ImportError:  # pragma: no cover - not POSIX: large frames are always the loop's to write
     fcntl = termios = None  # type: ignore[assignment]
 
+from . import spin
+
 #: How long a caller waits for its answer on its own before it hands the connection to the loop.
 PATIENCE = 0.05
 #: The longest a caller's write may take (a calm socket takes a small frame at once).
@@ -73,6 +75,7 @@ class CalmLink:
         self._fut: asyncio.Future | None = None
         self._reading = False   # a reader is registered for ``_fut``
         self.exchanges = self.handbacks = 0
+        self.backoff = spin.Backoff()  # (does polling hot for an answer pay on this link? transport/spin.py)
         self._polls: dict[int, Any] = {}
         #: Set by the connection's user: does anything await an answer the loop must read? (``settle``)
         self.awaited: Callable[[], bool] | None = None
@@ -228,6 +231,7 @@ class CalmLink:
         or ends, and what ``on_frame`` raises."""
         c = self.conn
         deadline = time.monotonic() + min(timeout, PATIENCE)
+        hot = spin.SPIN > 0
         back = True
         try:
             while not done():
@@ -244,8 +248,11 @@ class CalmLink:
                     need = 4 + size
                 else:
                     need = 4
-                if self.unpark_wanted or not self._poll(select.POLLIN, deadline):
+                if self.unpark_wanted or not (hot and spin.poll_hot(self._poller(select.POLLIN), deadline,
+                                                                    self.backoff)
+                                              or self._poll(select.POLLIN, deadline)):
                     return False  # wanted elsewhere, or slow: the loop waits for it
+                hot = False  # (polled without sleeping once per exchange at most: transport/spin.py)
                 c._compact(need)
                 try:
                     r = self.sock.recv_into(c._view[c._end:])

@@ -63,17 +63,21 @@ class Backend:
 
     def small_bytes(self, limit: int) -> Any:
         """For a torch CPU device: ``f(x)``, the bytes of a stored storage value (a flat ``uint8`` tensor of
-        at most ``limit`` bytes) as a memoryview of its own memory, or None for anything else (read through
-        :meth:`to_host`). None on other devices."""
+        at most ``limit`` bytes), copied (a copy of a few bytes costs less than a NumPy view of them), or None
+        for anything else (read through :meth:`to_host`). None on other devices."""
         if self.kind != "torch" or getattr(self.device, "type", None) != "cpu":
             return None
-        import torch
-        tensor, u8 = torch.Tensor, torch.uint8
+        import ctypes
 
-        def f(x: Any) -> memoryview | None:
-            if type(x) is tensor and x.dtype is u8 and x.dim() == 1 and x.numel() <= limit \
-                    and x.is_contiguous() and not x.requires_grad and x.device.type == "cpu":
-                return memoryview(x.numpy())
+        import torch
+        tensor, u8, copy = torch.Tensor, torch.uint8, ctypes.string_at
+
+        def f(x: Any) -> bytes | None:
+            if type(x) is tensor and x.dtype is u8 and x.dim() == 1 and x.is_cpu and not x.requires_grad \
+                    and x.is_contiguous():
+                n = x.numel()
+                if n <= limit:
+                    return copy(x.data_ptr(), n) if n else b""  # (n bytes from its first: all its own)
             return None
         return f
 

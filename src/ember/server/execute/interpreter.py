@@ -547,7 +547,7 @@ class Interpreter(GraphReplay, Holdings):
         finally:
             self.mem.release(staging)
 
-    def _answer_read(self, req: int, dt: str, shape: list[int], flat: memoryview, out: list[list[Any]]) -> None:
+    def _answer_read(self, req: int, dt: str, shape: list[int], flat: bytes | memoryview, out: list[list[Any]]) -> None:
         """A read's answer of at most a chunk, in the batch's answers."""
         out.append([req, m.OK, [dt, shape, 0, flat, len(flat)]])
         self._out_bytes += len(flat)
