@@ -148,3 +148,27 @@ def test_a_backward_on_torch_s_autograd_thread_uses_the_with_device(two_peers: l
         y.float().sum().backward()
         assert ember.torch.device_of(w.grad) is d
         assert w.grad.cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_cpu_slice_moves_as_one_upload_in_torch_s_layout(monkeypatch) -> None:
+    """``idx[:, :-1].to("ember")`` (a training loop's batch, every step): torch makes such a result
+    contiguous, and so does one upload of the values (no empty tensor + copy); a dense view (transposed)
+    keeps its strides as torch keeps them, through torch's own composite."""
+    from ember.torch import _transfer
+    composite: list[int] = []
+    real = _transfer.copy_from_host
+    monkeypatch.setattr(_transfer, "copy_from_host", lambda *a: (composite.append(1), real(*a))[1])
+    x = torch.arange(60.0).reshape(3, 4, 5)
+    cases = {"x[:, :-1]": (x[:, :-1], True), "x[:, ::2]": (x[:, ::2], True), "x[..., 1:]": (x[..., 1:], True),
+             "1-d strided": (torch.arange(10)[::3], True), "transposed": (x.transpose(0, 1), False),
+             "permuted": (x.permute(2, 0, 1), False)}
+    for name, (v, one_upload) in cases.items():
+        composite.clear()
+        e = v.to("ember")
+        assert e.stride() == torch.empty_like(v).stride(), name
+        assert torch.equal(e.cpu(), v), name
+        assert (not composite) == one_upload, name
+    e = x.transpose(0, 1).to("ember", memory_format=torch.contiguous_format)
+    assert e.is_contiguous() and torch.equal(e.cpu(), x.transpose(0, 1))
+    e = x[:, :-1].to("ember", dtype=torch.float64)
+    assert e.dtype == torch.float64 and e.is_contiguous() and torch.equal(e.cpu(), x[:, :-1].double())

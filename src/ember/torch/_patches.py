@@ -100,12 +100,28 @@ def _on_its_device(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> An
 
 
 def _plain_upload(self: torch.Tensor, kwargs: dict[str, Any]) -> bool:
-    """``_to_copy`` of a contiguous CPU tensor to ember, nothing else asked: one upload, as the composite's
-    empty tensor + copy would send, without them (a training loop's batch, every step)."""
-    return self.device.type == "cpu" and self.layout == torch.strided and self.is_contiguous() and \
+    """``_to_copy`` of a CPU tensor to ember whose result torch makes contiguous, nothing else asked: one
+    upload, as the composite's empty tensor + copy would send, without them (a training loop's batch,
+    every step, often a slice: ``idx[:, :-1]``). Contiguous results: a contiguous tensor; any tensor under
+    ``contiguous_format``; under ``preserve_format``, one that is not dense (torch keeps only a dense
+    tensor's strides), below 4 dims (where torch might choose channels-last instead)."""
+    fmt = kwargs.get("memory_format")
+    return self.device.type == "cpu" and self.layout == torch.strided and \
         kwargs.get("layout") in (None, torch.strided) and not kwargs.get("pin_memory") and \
-        kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format) and \
-        set(kwargs) <= _UPLOAD_KWARGS
+        set(kwargs) <= _UPLOAD_KWARGS and (
+            self.is_contiguous() and fmt in (None, torch.preserve_format, torch.contiguous_format)
+            or fmt is torch.contiguous_format
+            or fmt in (None, torch.preserve_format) and self.dim() < 4 and not _dense(self))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """torch's "non-overlapping and dense": some order of its dims (of size > 1) is contiguous."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 _UPLOAD_KWARGS = frozenset({"dtype", "layout", "device", "pin_memory", "non_blocking", "memory_format"})
