@@ -235,3 +235,68 @@ def test_a_layout_checked_op_is_checked_once_and_then_runs_as_a_fast_step() -> N
     assert not prog or prog.fast[0] is None
     for k in range(2):
         assert 30 + k not in it.tensors and "mean" in it.poison[30 + k].error["message"]
+
+
+def test_a_pointwise_step_whose_scalars_each_replay_overrides_is_trusted_once_shown_exact() -> None:
+    """An optimizer's bias corrections override a step's scalars at every replay: a pointwise step is trusted
+    under overrides once one with scalars of the same types was exact (no per-replay check); a scalar of
+    another type (int -> float: promotion) is checked again (and refused); arange's end (a scalar that shapes its result)
+    is never trusted so. Values and poison equal the generic replay's throughout."""
+    i32 = [[4], [1], 0, "int32"]
+    mul = {"a": [0, 1], "l": [i32], "o": [[0, [4], [1], 0, "int32", 16]]}
+    ar = {"a": [1, "int64", None, None, None], "l": [], "o": [[0, [3], [1], 0, "int64", 24]]}
+    body = [["aten.mul.Scalar", [1, 0], 1, mul], ["aten.arange.default", [2], 1, ar]]
+    graph = [m.GRAPH, 5, 1, [[2], [3]], body, [3, 4], []]
+    overrides = [[0, [3], 1, [3]], [0, [5], 1, [3]], [0, [7], 1, [4]], [0, [2.5], 1, [3]], [0, [9], 1, [3]]]
+    results = []
+    for program in (True, False):
+        it = interpreter()
+        it.put(1, torch.tensor([1, 2, 3, 4], dtype=torch.int32).view(torch.uint8).clone(), "upload")
+        it.run_batch([graph])
+        if not program:
+            it.graphs.peek(5).program = False
+        for k, scal in enumerate(overrides):
+            it.run_batch([[m.REPLAY, 5, [1], [10 + 2 * k, 11 + 2 * k], scal]])
+            if program and k == 1:
+                prog = it.graphs.peek(5).program
+                assert prog.fast[0].otypes == (int,) and prog.fast[1].otypes is None
+        results.append([(it.tensors[i].view(torch.int32 if i % 2 == 0 else torch.int64).tolist()
+                         if i in it.tensors else it.poison[i].error["message"]) for i in range(10, 20)])
+    assert results[0] == results[1]
+    got = results[0]
+    assert got[0] == [3, 6, 9, 12] and got[2] == [5, 10, 15, 20] and got[8] == [9, 18, 27, 36]
+    assert "float32" in got[6] and "int32" in got[6]  # 2.5 * int32: a float result, refused against its spec
+    assert got[4] == [7, 14, 21, 28] and got[1] == got[3] == [0, 1, 2] and "arange" in got[5]
+
+
+def test_a_kept_result_read_by_the_next_graph_is_that_typed_tensor_itself() -> None:
+    """A fresh contiguous result kept by one graph is stored as a flat uint8 view of itself; the next graph
+    reading it in that layout takes the very tensor (in another layout of its dtype, a view of it): no
+    storage view per replay. Values equal the generic replays'."""
+    f = "float32"
+    lay2, flat = [[2, 4], [4, 1], 0, f], [[8], [1], 0, f]
+    add = {"a": [0, 0, 1], "l": [lay2, lay2], "o": [[0, [2, 4], [4, 1], 0, f, 32]]}
+    addf = {"a": [0, 0, 1], "l": [flat, flat], "o": [[0, [8], [1], 0, f, 32]]}
+    first = [m.GRAPH, 1, 2, [[1]], [["aten.add.Tensor", [2, 0, 1], 1, add]], [3], []]
+    second = [m.GRAPH, 2, 2, [[1]], [["aten.add.Tensor", [2, 0, 1], 1, add],
+                                     ["aten.add.Tensor", [2, 3, 1], 1, addf]], [3, 4], []]
+    results = []
+    for program in (True, False):
+        it = interpreter()
+        it.put(1, storage(range(8)), "upload")
+        it.put(2, storage([1.0] * 8), "upload")
+        it.run_batch([first, second])
+        if not program:
+            it.graphs.peek(1).program = it.graphs.peek(2).program = False
+        for k in range(3):
+            it.run_batch([[m.REPLAY, 1, [1, 2], [10 + k], []], [m.REPLAY, 2, [10 + k, 2], [20 + k, 30 + k], []]])
+            if program and k == 2:
+                typed = it.tensors[12].__dict__.get("_ember_result")
+                prog = it.graphs.peek(2).program
+                assert typed is not None and typed.shape == (2, 4) and prog.bound[0] is it.tensors[12]
+                views = [prog.V0[tr] for tr, _, _ in prog.in_lays[0]]
+                assert any(v is typed for v in views)
+                assert all(v.untyped_storage().data_ptr() == typed.untyped_storage().data_ptr() for v in views)
+        results.append([floats(it.tensors[i])[:8] for i in (10, 11, 12, 20, 21, 22, 30, 31, 32)])
+    assert results[0] == results[1]
+    assert results[0][0] == [i + 1.0 for i in range(8)] and results[0][3] == [i + 2.0 for i in range(8)]

@@ -17,7 +17,9 @@ the session's stream). A typed register holds one register in one layout:
 A fast step's results are checked against their specs (layout, bytes, no aliasing of an operand) until
 one run has shown they match exactly: from then on, for an overload whose schema returns fresh tensors
 and writes nothing, they are adopted unchecked (a kernel's output layout depends only on its operands'
-layouts and its template, both fixed). A replay that overrides a step's scalars checks it again.
+layouts and its template, both fixed). A replay that overrides a step's scalars checks it again, until
+one such replay with scalars of the same types was exact, for an overload whose results the scalars'
+values cannot shape (pointwise, ``_foreach_``: an optimizer's bias corrections change every step).
 
 The bytes of the fast steps' declared outputs are charged once per replay, up front (what the generic
 replay charges step by step); when that is over the budget, or a step's operand is poisoned, missing,
@@ -41,21 +43,25 @@ from typing import Any, Callable
 POOL_MIN = 1 << 20
 _MISS = object()  # a fast step's operand is not available as a typed tensor: run the generic step
 _MAKERS: dict[str, Any] = {}  # compiled step makers, by generated source (shared by all programs)
+_U8: Any = None  # torch.uint8 (torch is imported when the first program is lowered)
+_TYPED = "_ember_result"  # the attribute of a storage value that holds the typed result it spans (_span)
 
 
 class FastStep:
     """One ATen step of a program (see the module docstring)."""
 
     __slots__ = ("i", "kernel", "fc", "fd", "trs", "sreg", "n_scal", "outs", "one", "touts", "wtrs", "wregs",
-                 "wlays", "trustable", "trusted", "nbytes", "name", "kw", "oregs", "plan", "kwplan", "baked")
+                 "wlays", "trustable", "trusted", "nbytes", "name", "kw", "oregs", "plan", "kwplan", "baked", "otypes", "sfree", "fviews")
 
 
 class Program:
     """A graph's steps lowered once; :meth:`run` replays them over a register file (see the module docstring)."""
 
     def __init__(self, g: Any, it: Any) -> None:
+        global _U8
         aten = sys.modules["ember.server.execute.aten"]
         import torch
+        _U8 = torch.uint8
         self.torch, self.aten, self.device, self.views = torch, aten, it.backend.device, it._views
         n_in, first_out = g.n_in, g.n_in + g.n_s
         self.n_in = n_in
@@ -85,6 +91,7 @@ class Program:
         for fs in self.fast:
             if fs is not None:
                 fs.touts = [(spec[0], tro, self.derive.get(oreg)) for spec, tro, oreg in fs.outs]
+                fs.fviews = [None] * len(fs.touts)
         self.V0: list[Any] = [None] * len(self.trmap)
         self.bound: list[Any] = [None] * n_in  # the storage value each input's cached views are of
         self.need = sum(fs.nbytes for fs in self.fast if fs is not None)
@@ -136,6 +143,7 @@ class Program:
         fs = FastStep()
         fs.i, fs.kernel, fs.name, fs.kw, fs.sreg, fs.oregs = i, fn, name, kw, sreg, oregs
         fs.trusted = False
+        fs.otypes = None  # the scalars' types of an overriding replay it was shown exact under (then trusted so)
         # bind once with markers: each tensor slot a distinct empty tensor, each scalar a distinct float
         marks = [torch.empty(0) for _ in lays]
         n_scal = _scalar_count(fn, a, aten.A)
@@ -175,6 +183,8 @@ class Program:
         # results adopted unchecked once shown exact: fresh tensors (or none: an in-place op whose written
         # operands kept their layout and bytes, which depends on their layouts only)
         fs.trustable = not specs or all(r.alias_info is None for r in fn.op._schema.returns)
+        # results shaped by the operands alone, whatever the scalars' values (not so: arange's end)
+        fs.sfree = torch.Tag.pointwise in fn.op.tags or fn.name.startswith("aten._foreach_")
         fs.one = -1
         return fs
 
@@ -190,9 +200,35 @@ class Program:
             for tr, _, _ in entries:
                 V0[tr] = None
         else:
-            self._derive(V0, b, entries, self.device)
+            base = b.__dict__.get(_TYPED)  # the typed result it spans (:func:`_span`): read as itself
+            if base is not None and entries:
+                entries = self._reuse(V0, b, base, entries)
+            if entries:
+                self._derive(V0, b, entries, self.device)
             self.bound[k] = b
             self.views.setdefault(id(b), set()).add((self, k))
+
+    def _reuse(self, V0: list[Any], b: Any, base: Any, entries: Any) -> list[Any]:
+        """Input views made of ``base`` (a typed tensor on ``b``'s very storage, on this device): ``base``
+        itself in its own layout, a view of it in another of its dtype (``as_strided`` checks the extent); the
+        entries left to :meth:`_derive`."""
+        if base.device != self.device or base.untyped_storage()._cdata != b.untyped_storage()._cdata:
+            return entries
+        dtype = base.dtype
+        have = (tuple(base.shape), base.stride(), base.storage_offset(), dtype)
+        DT, left = self.aten.DTYPES, []
+        for e in entries:
+            size, stride, off, dt = e[1]
+            if DT[dt] is not dtype:
+                left.append(e)
+            elif (size, stride, off, dtype) == have:
+                V0[e[0]] = base
+            else:
+                try:
+                    V0[e[0]] = base.as_strided(size, stride, off)
+                except RuntimeError:  # past the storage: _derive says so
+                    left.append(e)
+        return left
 
     def unbind(self, k: int, b: Any) -> None:
         """Input ``k``'s cached views are of ``b``, which the session no longer holds: drop them."""
@@ -248,16 +284,40 @@ class Program:
                 elif fs.one >= 0:
                     V[fs.one] = res
                 else:
-                    for idx, tro, d in fs.touts:
-                        r = res if idx < 0 else res[idx]
-                        V[tro] = r
-                        if d:
-                            self._derive(V, r, d)
+                    self._adopt(V, fs, res)
             else:
                 checked(it, g, R, V, st, fs, ovr)
         mat = self._mat
         for r in g.kept:
             mat(R, V, r)
+
+    def _adopt(self, V: list[Any], fs: FastStep, res: Any) -> None:
+        """A trusted step's results into their typed registers, and the other layouts later steps read them
+        in: views made at once where :meth:`_views_of` found them of the result's dtype and within its spec's
+        bytes (``as_strided`` checks the extent itself: one that does not fit is made by :meth:`_derive`)."""
+        for (idx, tro, d), f in zip(fs.touts, fs.fviews):
+            r = res if idx < 0 else res[idx]
+            V[tro] = r
+            if f is not None:
+                try:
+                    for tr, size, stride, off in f:
+                        V[tr] = r.as_strided(size, stride, off)
+                    continue
+                except RuntimeError:
+                    pass
+            if d:
+                self._derive(V, r, d)
+
+    def _views_of(self, fs: FastStep) -> list[Any]:
+        """Per result of ``fs`` (once trusted): the layouts later steps read it in as ``(typed register, size,
+        stride, offset)``, when each is of the result's dtype and within its spec's bytes; else None."""
+        DT, out = self.aten.DTYPES, []
+        specs = {tro: (dt, nb) for (_, _, _, _, dt, nb, _), tro, _ in fs.outs}
+        for _, tro, d in fs.touts:
+            dt, nb = specs[tro]
+            ok = bool(d) and all(DT[lay[3]] is dt and need <= nb for _, lay, need in d)
+            out.append([(tr, lay[0], lay[1], lay[2]) for tr, lay, _ in d] if ok else None)
+        return out
 
     def _mat(self, R: list[Any], V: list[Any], r: int) -> Any:
         """Register ``r``'s storage value (made from its typed register if only that exists)."""
@@ -265,7 +325,7 @@ class Program:
         if v is None and r in self.prod:
             t = V[self.prod[r]]
             if t is not None:
-                v = R[r] = self.aten.as_storage(t)
+                v = R[r] = _span(t, self.aten.as_storage)
         return v
 
     def _derive(self, V: list[Any], r: Any, d: Any, dev: Any = None) -> None:
@@ -336,6 +396,15 @@ class Program:
                 S = [self.aten._scalar(x) for x in s]
             except ValueError:
                 return self._generic(it, g, R, V, st, fs.i, fs)
+            types = tuple(map(type, S))
+            if types == fs.otypes:  # shown exact with scalars of these types: adopted unchecked (see _trust)
+                try:
+                    res = fs.fd(V, S)
+                except Exception as e:  # noqa: BLE001 - the kernel's own error: the op's poison
+                    return self._failed(it, R, V, st, fs, e)
+                if res is _MISS:
+                    return self._generic(it, g, R, V, st, fs.i, fs)
+                return self._adopt(V, fs, res)
         elif fs.fc is None:
             return self._generic(it, g, R, V, st, fs.i, fs)
         tensors = [V[t] for t in fs.trs]
@@ -390,11 +459,23 @@ class Program:
         for idx, tro, d in fs.touts:
             if d:
                 self._derive(V, V[tro], d)
-        if exact and fs.trustable and not over and fs.fc is not None:
-            if not isinstance(res, (tuple, list)):
-                fs.touts = [(-1, tro, d) for _, tro, d in fs.touts]
-                if len(fs.touts) == 1 and not fs.touts[0][2]:
-                    fs.one = fs.touts[0][1]
+        if exact and fs.trustable:
+            self._trust(it, g, fs, res, types if over else None)
+
+    def _trust(self, it: Any, g: Any, fs: FastStep, res: Any, types: tuple[type, ...] | None) -> None:
+        """Step ``fs``'s results matched their specs exactly: later replays adopt them unchecked. A result's
+        layout depends only on the operands' layouts, the template and the scalars' types (promotion: an int
+        tensor plus a float is a float tensor), and for a pointwise or ``_foreach_`` overload never on the
+        scalars' values (``sfree``; ``arange``'s end is a scalar), so a replay overriding such a step's scalars
+        is trusted too once one with scalars of the same types was exact (``types``)."""
+        if not isinstance(res, (tuple, list)) and any(idx >= 0 for idx, _, _ in fs.touts):
+            fs.touts = [(-1, tro, d) for _, tro, d in fs.touts]
+            if len(fs.touts) == 1 and not fs.touts[0][2]:
+                fs.one = fs.touts[0][1]
+        fs.fviews = self._views_of(fs)
+        if types is not None:
+            fs.otypes = types if fs.sfree else None
+        elif fs.fc is not None:
             fs.trusted = True
             if fs.one >= 0 and fs.nbytes >= POOL_MIN:
                 self._pool(it, g, fs)
@@ -435,6 +516,20 @@ class Program:
             fs.trusted = False  # (a program is not replayed after this; its steps would be checked again)
             self.mem.release(nb)
         self.pooled = []
+
+
+def _span(t: Any, as_storage: Callable[[Any], Any]) -> Any:
+    """A storage value of result ``t``: ``t``'s own bytes as a flat ``uint8`` view when ``t`` covers all of
+    its storage from offset 0 (a fresh contiguous result: no new tensor set on a storage; ``t`` is kept on it,
+    ``_TYPED``, and a later graph reads it as itself: :meth:`Program._reuse`); else :func:`aten.as_storage`."""
+    try:
+        u = t.view(-1).view(_U8)
+        if u.storage_offset() == 0 and u.is_contiguous() and u.numel() == u.untyped_storage().nbytes():
+            u.__dict__[_TYPED] = t
+            return u
+    except RuntimeError:  # not viewable flat (strided, a conjugate or negative bit): spanned by set_
+        pass
+    return as_storage(t)
 
 
 def _key(lay: Any) -> tuple[Any, ...]:
