@@ -6,7 +6,7 @@ each output spec on every call. A client sends the same few call shapes again an
 template ``a``, the operand layouts ``l`` and the output specs ``o`` of ``(a + 1).item()`` are the
 same every time; only the scalars' values and the storages change), so the kernel keeps, per
 call shape, what those checks found (:class:`EagerPlan`): the overload's call made once from the
-bound template (``program._maker``, as a replayed graph's fast step), each operand's typed layout
+bound template (``step_maker._maker``, as a replayed graph's fast step), each operand's typed layout
 and extent, each output's spec. A call of a known shape then only checks what may differ
 between calls: that each operand names a storage holding its layout, that the scalars are
 numbers, and that each result is exactly what its spec says (else the generic ``_store`` copies
@@ -37,7 +37,7 @@ import torch
 
 from ...protocol import aten as A
 from ...protocol.codec import packb
-from .program import _maker, _scalar_count, _slot
+from .step_maker import _maker, _scalar_count, _slot
 
 #: Call shapes one session remembers (a few per overload in real code; the cache starts over when full).
 MAX_PLANS = 512

@@ -35,14 +35,13 @@ fresh pages to fault in, per replay (glibc maps such buffers afresh each time: i
 
 from __future__ import annotations
 
-import keyword
 import sys
 from typing import Any, Callable
 
+from .step_maker import _MISS, _layouts_pass, _maker, _scalar_count, _slot
+
 #: Results of at least this many bytes that never leave a replay get a buffer kept across replays.
 POOL_MIN = 1 << 20
-_MISS = object()  # a fast step's operand is not available as a typed tensor: run the generic step
-_MAKERS: dict[str, Any] = {}  # compiled step makers, by generated source (shared by all programs)
 _U8: Any = None  # torch.uint8 (torch is imported when the first program is lowered)
 _TYPED = "_ember_result"  # the attribute of a storage value that holds the typed result it spans (_span)
 
@@ -538,95 +537,6 @@ def _key(lay: Any) -> tuple[Any, ...]:
 
 def _list(key: Any) -> list[Any]:
     return [list(key[0]), list(key[1]), key[2], key[3]]
-
-
-def _maker(plan: list[Any], kwplan: dict[str, Any], op: Any, draw: Any, baked: list[Any] | None,
-           n_ops: int) -> Callable[[list[int]], Any]:
-    """A maker of a step's function ``f(V)`` (or ``f(V, S)``: scalars given per call) from its typed
-    registers. The source names only generated identifiers; every value is passed in, never printed."""
-    consts: list[Any] = []
-
-    def expr(p: tuple[str, Any]) -> str:
-        kind, x = p
-        if kind == "t":
-            return f"a{x}"
-        if kind == "s":
-            return f"s{x}" if baked is not None else f"S[{x}]"
-        if kind == "l":
-            return "[" + "".join(expr(q) + ", " for q in x) + "]"
-        consts.append(x)
-        return f"c{len(consts) - 1}"
-
-    pos = [expr(p) for p in plan]
-    named = [(n, expr(p)) for n, p in kwplan.items()]
-    if draw is not None:
-        call = "draw([" + ", ".join(pos) + "], {" + ", ".join(f"{n!r}: {e}" for n, e in named) + "})"
-    else:
-        plain = [f"{n}={e}" for n, e in named if n.isidentifier() and not keyword.iskeyword(n)]
-        odd = [f"{n!r}: {e}" for n, e in named if not (n.isidentifier() and not keyword.iskeyword(n))]
-        call = "op(" + ", ".join(pos + plain + (["**{" + ", ".join(odd) + "}"] if odd else [])) + ")"
-    n_s = len(baked) if baked is not None else 0
-    params = ", ".join(["op", "draw", "MISS"] + [f"t{j}" for j in range(n_ops)] + [f"c{j}" for j in range(len(consts))]
-                       + [f"s{j}" for j in range(n_s)])
-    lines = [f"def make({params}):", "    def f(V" + (", S" if baked is None else "") + "):"]
-    lines += [f"        a{j} = V[t{j}]" for j in range(n_ops)]
-    if n_ops:
-        lines.append("        if " + " or ".join(f"a{j} is None" for j in range(n_ops)) + ":")
-        lines.append("            return MISS")
-    lines += [f"        return {call}", "    return f"]
-    src = "\n".join(lines) + "\n"
-    make = _MAKERS.get(src)
-    if make is None:
-        ns: dict[str, Any] = {}
-        exec(compile(src, "<ember program step>", "exec"), ns)  # noqa: S102 - generated from identifiers only
-        make = ns["make"]
-        if len(_MAKERS) < 1 << 14:
-            _MAKERS[src] = make
-    tail = consts + list(baked or ())
-    return lambda trs: make(op, draw, _MISS, *trs, *tail)
-
-
-def _layouts_pass(fn: Any, a: list[Any], lays: list[Any], aten: Any, torch: Any) -> bool:
-    """May a step of checked op ``fn`` run as a fast step (unchecked at replay)? Only when its check reads
-    the operands' layouts alone (``positions.LAYOUT_CHECKS``: every replay binds the same layouts), the
-    template has no scalar a replay could override, and the check passes here, once, on meta tensors in
-    those layouts."""
-    if fn.name.split(".")[1] not in aten.positions.LAYOUT_CHECKS or _scalar_count(fn, a, aten.A):
-        return False
-    try:
-        meta = torch.device("meta")
-        metas = [aten.operand(torch.empty(aten.A.layout_extent(lay, aten.ITEMSIZE), dtype=torch.uint8, device=meta),
-                              lay, meta) for lay in lays]  # (each layout over a storage that just holds it)
-        args, kwargs, _ = fn._bind(a, metas, [])
-        fn.check(args, kwargs)
-    except Exception:  # noqa: BLE001 - refused (or malformed): the generic step runs the check and says why
-        return False
-    return True
-
-
-def _scalar_count(k: Any, a: list[Any], A: Any) -> int:
-    """How many scalars the template ``a`` takes (the generic bind checks the count matches)."""
-    n = 0
-    for (_, cat, _, _), e in zip(k.args, a):
-        if cat == A.TENSOR_LIST and type(e) is list:
-            n += sum(1 for x in e if x == 1 and type(x) is int)
-        elif cat in (A.TENSOR, A.SCALAR) and e == 1 and type(e) is int:
-            n += 1
-        elif cat == A.SCALAR_LIST and type(e) is int and e >= 0:
-            n += e
-    return n
-
-
-def _slot(v: Any, tid: dict[int, int], sid: dict[int, int]) -> Any:
-    """What a bound argument becomes: ('t', i) a tensor operand, ('s', i) a scalar, ('l', [...]) a list
-    holding either, ('c', v) a constant of the template."""
-    if id(v) in tid and not isinstance(v, (int, float, bool)):
-        return ("t", tid[id(v)])
-    if type(v) is float and id(v) in sid:
-        return ("s", sid[id(v)])
-    if type(v) is list and any(id(x) in tid or (type(x) is float and id(x) in sid) for x in v):
-        return ("l", [_slot(x, tid, sid) for x in v])
-    return ("c", v)
 
 
 __all__ = ["Program", "FastStep"]
