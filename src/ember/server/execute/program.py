@@ -42,8 +42,7 @@ from .step_maker import _MISS, _layouts_pass, _maker, _scalar_count, _slot
 
 #: Results of at least this many bytes that never leave a replay get a buffer kept across replays.
 POOL_MIN = 1 << 20
-_U8: Any = None  # torch.uint8 (torch is imported when the first program is lowered)
-_TYPED = "_ember_result"  # the attribute of a storage value that holds the typed result it spans (_span)
+TYPED = "_ember_result"  # the attribute of a storage value that holds the typed result it spans (span)
 
 
 class FastStep:
@@ -57,10 +56,8 @@ class Program:
     """A graph's steps lowered once; :meth:`run` replays them over a register file (see the module docstring)."""
 
     def __init__(self, g: Any, it: Any) -> None:
-        global _U8
         aten = sys.modules["ember.server.execute.aten"]
         import torch
-        _U8 = torch.uint8
         self.torch, self.aten, self.device, self.views = torch, aten, it.backend.device, it._views
         n_in, first_out = g.n_in, g.n_in + g.n_s
         self.n_in = n_in
@@ -199,7 +196,7 @@ class Program:
             for tr, _, _ in entries:
                 V0[tr] = None
         else:
-            base = b.__dict__.get(_TYPED)  # the typed result it spans (:func:`_span`): read as itself
+            base = b.__dict__.get(TYPED)  # the typed result it spans (:func:`span`): read as itself
             if base is not None and entries:
                 entries = self._reuse(V0, b, base, entries)
             if entries:
@@ -324,7 +321,7 @@ class Program:
         if v is None and r in self.prod:
             t = V[self.prod[r]]
             if t is not None:
-                v = R[r] = _span(t, self.aten.as_storage)
+                v = R[r] = span(t, self.aten.as_storage, self.torch.uint8)
         return v
 
     def _derive(self, V: list[Any], r: Any, d: Any, dev: Any = None) -> None:
@@ -517,14 +514,14 @@ class Program:
         self.pooled = []
 
 
-def _span(t: Any, as_storage: Callable[[Any], Any]) -> Any:
+def span(t: Any, as_storage: Callable[[Any], Any], u8: Any) -> Any:
     """A storage value of result ``t``: ``t``'s own bytes as a flat ``uint8`` view when ``t`` covers all of
     its storage from offset 0 (a fresh contiguous result: no new tensor set on a storage; ``t`` is kept on it,
-    ``_TYPED``, and a later graph reads it as itself: :meth:`Program._reuse`); else :func:`aten.as_storage`."""
+    ``TYPED``, and a later graph reads it as itself: :meth:`Program._reuse`); else :func:`aten.as_storage`."""
     try:
-        u = t.view(-1).view(_U8)
+        u = t.view(-1).view(u8)
         if u.storage_offset() == 0 and u.is_contiguous() and u.numel() == u.untyped_storage().nbytes():
-            u.__dict__[_TYPED] = t
+            u.__dict__[TYPED] = t
             return u
     except RuntimeError:  # not viewable flat (strided, a conjugate or negative bit): spanned by set_
         pass
@@ -539,4 +536,4 @@ def _list(key: Any) -> list[Any]:
     return [list(key[0]), list(key[1]), key[2], key[3]]
 
 
-__all__ = ["Program", "FastStep"]
+__all__ = ["Program", "FastStep", "span", "TYPED"]
