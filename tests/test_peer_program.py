@@ -300,3 +300,26 @@ def test_a_kept_result_read_by_the_next_graph_is_that_typed_tensor_itself() -> N
         results.append([floats(it.tensors[i])[:8] for i in (10, 11, 12, 20, 21, 22, 30, 31, 32)])
     assert results[0] == results[1]
     assert results[0][0] == [i + 1.0 for i in range(8)] and results[0][3] == [i + 2.0 for i in range(8)]
+
+
+def test_an_eager_result_is_read_as_itself_by_the_next_call() -> None:
+    """An eager call's fresh result is stored as a flat uint8 view of itself that keeps it; the next planned
+    call reading it in its layout reads that very tensor, in another layout of its dtype a view of it; a
+    layout past its storage is refused as before."""
+    f = "float32"
+    l2, lt = [[2, 4], [4, 1], 0, f], [[4, 2], [1, 4], 0, f]
+    add = {"a": [0, 0, 1], "l": [l2, l2], "o": [[0, [2, 4], [4, 1], 0, f, 32]]}
+    neg = {"a": [0], "l": [lt], "o": [[0, [4, 2], [2, 1], 0, f, 32]]}
+    far = {"a": [0], "l": [[[4, 4], [4, 1], 0, f]], "o": [[0, [4, 4], [4, 1], 0, f, 64]]}
+    it = interpreter()
+    it.put(1, storage(range(8)), "upload")
+    it.put(2, storage([1.0] * 8), "upload")
+    it.run_batch([[m.OP, "aten.add.Tensor", [[1], 1, 2], 1, [3], add]])
+    typed = it.tensors[3].__dict__["_ember_result"]
+    assert typed.shape == (2, 4) and typed.untyped_storage().data_ptr() == it.tensors[3].data_ptr()
+    it.run_batch([[m.OP, "aten.add.Tensor", [[1], 3, 3], 1, [4], add]])
+    assert it.tensors[3].__dict__["_ember_typed"][2] is typed
+    it.run_batch([[m.OP, "aten.neg.default", [[], 3], 1, [5], neg], [m.OP, "aten.neg.default", [[], 3], 1, [6], far]])
+    assert floats(it.tensors[4])[:8] == [2.0 * (i + 1) for i in range(8)]
+    assert floats(it.tensors[5])[:8] == [-float(1 + i // 2 + 4 * (i % 2)) for i in range(8)]
+    assert 6 not in it.tensors and "reaches byte 64" in it.poison[6].error["message"]
