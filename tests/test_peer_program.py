@@ -206,7 +206,7 @@ def layer_norm_backward_graph(mean_rows: int) -> list[Any]:
 def test_a_layout_checked_op_is_checked_once_and_then_runs_as_a_fast_step() -> None:
     """native_layer_norm_backward's position check reads layouts only: a graph's step of it is checked when
     its program is lowered and then runs on the fast path (bit-equal to torch's kernel, and to the generic
-    replay); layouts the check refuses keep the step generic, refused at every replay as before."""
+    replay); layouts the check refuses make a step that runs the check at every replay, refused as before."""
     g = torch.Generator().manual_seed(0)
     x, w, b, go = (torch.randn(*s, generator=g) for s in ((2, 4), (4,), (4,), (2, 4)))
     _, mean, rstd = torch.native_layer_norm(x, [4], w, b, 1e-5)
@@ -232,7 +232,7 @@ def test_a_layout_checked_op_is_checked_once_and_then_runs_as_a_fast_step() -> N
     it.run_batch([layer_norm_backward_graph(3)] + [[m.REPLAY, 9, [1, 2, 3, 4, 5, 6], [30 + k, 40 + k, 50 + k], []]
                                                    for k in range(2)])
     prog = it.graphs.peek(9).program
-    assert not prog or prog.fast[0] is None
+    assert prog.fast[0].vcheck is not None  # a fast step that runs the check at every replay
     for k in range(2):
         assert 30 + k not in it.tensors and "mean" in it.poison[30 + k].error["message"]
 
@@ -323,3 +323,31 @@ def test_an_eager_result_is_read_as_itself_by_the_next_call() -> None:
     assert floats(it.tensors[4])[:8] == [2.0 * (i + 1) for i in range(8)]
     assert floats(it.tensors[5])[:8] == [-float(1 + i // 2 + 4 * (i % 2)) for i in range(8)]
     assert 6 not in it.tensors and "reaches byte 64" in it.poison[6].error["message"]
+
+
+def test_a_step_whose_check_reads_operand_values_checks_them_at_every_replay() -> None:
+    """embedding_dense_backward's indices are positions: its step is a fast step that runs the position
+    check on every replay's indices; an index out of range is refused with the generic replay's poison,
+    and the next valid replay is right again (equal to the generic replay's throughout)."""
+    f = "float32"
+    g, idx = [[3, 2], [2, 1], 0, f], [[3], [1], 0, "int64"]
+    kw = {"a": [0, 0, 4, -1, False], "l": [g, idx], "o": [[0, [4, 2], [2, 1], 0, f, 32]]}
+    graph = [m.GRAPH, 3, 2, [[]], [["aten.embedding_dense_backward.default", [2, 0, 1], 1, kw]], [3], []]
+    results = []
+    for program in (True, False):
+        it = interpreter()
+        it.put(1, storage(range(6)), "upload")
+        for tid, ix in ((2, [0, 3, 0]), (3, [1, 4, 2])):
+            it.put(tid, torch.tensor(ix, dtype=torch.int64).view(torch.uint8).clone(), "upload")
+        it.run_batch([graph])
+        if not program:
+            it.graphs.peek(3).program = False
+        it.run_batch([[m.REPLAY, 3, [1, i], [10 + k], []] for k, i in enumerate((2, 2, 3, 2))])
+        if program:
+            fs = it.graphs.peek(3).program.fast[0]
+            assert fs is not None and fs.vcheck is not None and fs.trusted
+        results.append([floats(it.tensors[i])[:8] if i in it.tensors else it.poison[i].error["message"]
+                        for i in range(10, 14)])
+    assert results[0] == results[1]
+    assert results[0][0] == results[0][3] == [4.0, 6.0, 0.0, 0.0, 0.0, 0.0, 2.0, 3.0]
+    assert "indices" in results[0][2] and "[1, 4]" in results[0][2]

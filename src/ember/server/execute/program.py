@@ -26,6 +26,9 @@ replay charges step by step); when that is over the budget, or a step's operand 
 or not a storage that holds its layout, the step runs as the generic replay runs it
 (:meth:`GraphReplay._step`: the same errors, the same poison), as does every step that is not a vetted
 ATen call. Storage values are made only where one is needed (a generic step's operand, a kept output).
+An op whose position check reads operand values (:mod:`.positions`: embedding backward's indices) is a
+fast step too: its function runs the check on the bound call at every replay, before the kernel, and
+raises what the generic step raises (the same poison); the compiled prefix (compiled.py) stops before it.
 
 A trusted step whose result is large (``POOL_MIN``) and never leaves the replay (not kept, read by fast
 steps only) writes it with the overload's ``out=`` twin into a buffer the program keeps across replays
@@ -49,7 +52,8 @@ class FastStep:
     """One ATen step of a program (see the module docstring)."""
 
     __slots__ = ("i", "kernel", "fc", "fd", "trs", "sreg", "n_scal", "outs", "one", "touts", "wtrs", "wregs",
-                 "wlays", "trustable", "trusted", "nbytes", "name", "kw", "oregs", "plan", "kwplan", "baked", "otypes", "sfree", "fviews")
+                 "wlays", "trustable", "trusted", "nbytes", "name", "kw", "oregs", "plan", "kwplan", "baked",
+                 "otypes", "sfree", "fviews", "vcheck")
 
 
 class Program:
@@ -129,8 +133,11 @@ class Program:
         if not isinstance(lays, list) or not isinstance(a, list) or len(a) != len(fn.args) \
                 or len(regs) != 1 + len(lays) or len(oregs) != len(specs):
             return None
+        vcheck = None  # a position check that reads operand values: run by the step, at every call
         if fn.check is not None and not _layouts_pass(fn, a, lays, aten, torch):
-            return None  # (an op whose operand values are positions runs its check: AtenKernel.run, generic)
+            if fn.special is not None:
+                return None  # (an RNN layer: AtenKernel.run, generic)
+            vcheck = fn.check
         sreg = regs[0]
         if not n_in <= sreg < first_out or any(n_in <= r < first_out for r in regs[1:]):
             return None
@@ -160,9 +167,9 @@ class Program:
             baked = [aten._scalar(x) for x in consts] if type(consts) is list and len(consts) == n_scal else None
         except ValueError:
             baked = None
-        fs.plan, fs.kwplan, fs.baked = plan, kwplan, baked
-        fs.fc = _maker(plan, kwplan, op, fn.draw, baked, len(lays)) if baked is not None else None
-        fs.fd = _maker(plan, kwplan, op, fn.draw, None, len(lays))
+        fs.plan, fs.kwplan, fs.baked, fs.vcheck = plan, kwplan, baked, vcheck
+        fs.fc = _maker(plan, kwplan, op, fn.draw, baked, len(lays), vcheck) if baked is not None else None
+        fs.fd = _maker(plan, kwplan, op, fn.draw, None, len(lays), vcheck)
         fs.outs = []
         nbytes = 0
         for spec, oreg in zip(specs, oregs):
@@ -501,7 +508,8 @@ class Program:
         torch = self.torch
         buf = torch.zeros(nb, dtype=torch.uint8, device=self.device)
         out = torch.empty((0,), dtype=dt, device=self.device).set_(buf.untyped_storage(), off, size, stride)
-        fs.fc = _maker(fs.plan, {**fs.kwplan, "out": ("c", out)}, twin._op, None, fs.baked, len(fs.trs))(fs.trs)
+        fs.fc = _maker(fs.plan, {**fs.kwplan, "out": ("c", out)}, twin._op, None, fs.baked, len(fs.trs),
+                       fs.vcheck)(fs.trs)
         self.pooled.append((fs, nb))
         self.mem = it.mem
 

@@ -16,9 +16,11 @@ _MAKERS: dict[str, Any] = {}  # compiled step makers, by generated source (share
 
 
 def _maker(plan: list[Any], kwplan: dict[str, Any], op: Any, draw: Any, baked: list[Any] | None,
-           n_ops: int) -> Callable[[list[int]], Any]:
+           n_ops: int, check: Any = None) -> Callable[[list[int]], Any]:
     """A maker of a step's function ``f(V)`` (or ``f(V, S)``: scalars given per call) from its typed
-    registers. The source names only generated identifiers; every value is passed in, never printed."""
+    registers; with ``check`` (an op's position check, :mod:`.positions`), ``check(args, kwargs)`` runs on
+    the bound call before the kernel, at every call. The source names only generated identifiers; every
+    value is passed in, never printed."""
     consts: list[Any] = []
 
     def expr(p: tuple[str, Any]) -> str:
@@ -34,21 +36,26 @@ def _maker(plan: list[Any], kwplan: dict[str, Any], op: Any, draw: Any, baked: l
 
     pos = [expr(p) for p in plan]
     named = [(n, expr(p)) for n, p in kwplan.items()]
-    if draw is not None:
+    checked = []
+    if check is not None:  # the bound call checked, then made from the same lists
+        checked = ["        A = [" + ", ".join(pos) + "]", "        K = {" + ", ".join(f"{n!r}: {e}" for n, e in named) + "}",
+                   "        check(A, K)"]
+        call = "draw(A, K)" if draw is not None else "op(*A, **K)"
+    elif draw is not None:
         call = "draw([" + ", ".join(pos) + "], {" + ", ".join(f"{n!r}: {e}" for n, e in named) + "})"
     else:
         plain = [f"{n}={e}" for n, e in named if n.isidentifier() and not keyword.iskeyword(n)]
         odd = [f"{n!r}: {e}" for n, e in named if not (n.isidentifier() and not keyword.iskeyword(n))]
         call = "op(" + ", ".join(pos + plain + (["**{" + ", ".join(odd) + "}"] if odd else [])) + ")"
     n_s = len(baked) if baked is not None else 0
-    params = ", ".join(["op", "draw", "MISS"] + [f"t{j}" for j in range(n_ops)] + [f"c{j}" for j in range(len(consts))]
+    params = ", ".join(["op", "draw", "MISS", "check"] + [f"t{j}" for j in range(n_ops)] + [f"c{j}" for j in range(len(consts))]
                        + [f"s{j}" for j in range(n_s)])
     lines = [f"def make({params}):", "    def f(V" + (", S" if baked is None else "") + "):"]
     lines += [f"        a{j} = V[t{j}]" for j in range(n_ops)]
     if n_ops:
         lines.append("        if " + " or ".join(f"a{j} is None" for j in range(n_ops)) + ":")
         lines.append("            return MISS")
-    lines += [f"        return {call}", "    return f"]
+    lines += checked + [f"        return {call}", "    return f"]
     src = "\n".join(lines) + "\n"
     make = _MAKERS.get(src)
     if make is None:
@@ -58,7 +65,7 @@ def _maker(plan: list[Any], kwplan: dict[str, Any], op: Any, draw: Any, baked: l
         if len(_MAKERS) < 1 << 14:
             _MAKERS[src] = make
     tail = consts + list(baked or ())
-    return lambda trs: make(op, draw, _MISS, *trs, *tail)
+    return lambda trs: make(op, draw, _MISS, check, *trs, *tail)
 
 
 def _layouts_pass(fn: Any, a: list[Any], lays: list[Any], aten: Any, torch: Any) -> bool:
