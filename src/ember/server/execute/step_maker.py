@@ -143,7 +143,7 @@ def python_binding(op: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
             with Spy(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # (a deprecated signature that matched: refused below)
                 f(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - not this binding's signature (or no meta kernel): the handle serves
+        except Exception:  # noqa: BLE001, S112 - not this binding's signature (or no meta kernel): the handle serves
             continue
         if len(seen) == 1 and seen[0][0] is op and _same_call(op, seen[0][1], seen[0][2], args, kwargs):
             return f
