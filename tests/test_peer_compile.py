@@ -273,7 +273,7 @@ def test_torch_compile_graphs_replay_compiled_on_a_peer_started_with_compile() -
     """torch.compile(backend="ember") on a session that asked: the forward and backward graphs AOTAutograd
     hands over (a transformer's: layer norms and their backward, attention, embeddings) are compiled by the
     peer and replayed through it, the backward's layer-norm steps included (checked once, at lowering:
-    program._layouts_pass); losses and parameters equal local CPU torch's within float tolerance."""
+    step_maker._layouts_pass); losses and parameters equal local CPU torch's within float tolerance."""
     import ember
     import ember.torch  # noqa: F401
     from ember.server import Server

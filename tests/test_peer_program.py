@@ -206,7 +206,7 @@ def layer_norm_backward_graph(mean_rows: int) -> list[Any]:
 def test_a_layout_checked_op_is_checked_once_and_then_runs_as_a_fast_step() -> None:
     """native_layer_norm_backward's position check reads layouts only: a graph's step of it is checked when
     its program is lowered and then runs on the fast path (bit-equal to torch's kernel, and to the generic
-    replay); layouts the check refuses keep the step generic, refused at every replay as before."""
+    replay); layouts the check refuses make a step that runs the check at every replay, refused as before."""
     g = torch.Generator().manual_seed(0)
     x, w, b, go = (torch.randn(*s, generator=g) for s in ((2, 4), (4,), (4,), (2, 4)))
     _, mean, rstd = torch.native_layer_norm(x, [4], w, b, 1e-5)
@@ -232,6 +232,144 @@ def test_a_layout_checked_op_is_checked_once_and_then_runs_as_a_fast_step() -> N
     it.run_batch([layer_norm_backward_graph(3)] + [[m.REPLAY, 9, [1, 2, 3, 4, 5, 6], [30 + k, 40 + k, 50 + k], []]
                                                    for k in range(2)])
     prog = it.graphs.peek(9).program
-    assert not prog or prog.fast[0] is None
+    assert prog.fast[0].vcheck is not None  # a fast step that runs the check at every replay
     for k in range(2):
         assert 30 + k not in it.tensors and "mean" in it.poison[30 + k].error["message"]
+
+
+def test_a_pointwise_step_whose_scalars_each_replay_overrides_is_trusted_once_shown_exact() -> None:
+    """An optimizer's bias corrections override a step's scalars at every replay: a pointwise step is trusted
+    under overrides once one with scalars of the same types was exact (no per-replay check); a scalar of
+    another type (int -> float: promotion) is checked again (and refused); arange's end (a scalar that shapes its result)
+    is never trusted so. Values and poison equal the generic replay's throughout."""
+    i32 = [[4], [1], 0, "int32"]
+    mul = {"a": [0, 1], "l": [i32], "o": [[0, [4], [1], 0, "int32", 16]]}
+    ar = {"a": [1, "int64", None, None, None], "l": [], "o": [[0, [3], [1], 0, "int64", 24]]}
+    body = [["aten.mul.Scalar", [1, 0], 1, mul], ["aten.arange.default", [2], 1, ar]]
+    graph = [m.GRAPH, 5, 1, [[2], [3]], body, [3, 4], []]
+    overrides = [[0, [3], 1, [3]], [0, [5], 1, [3]], [0, [7], 1, [4]], [0, [2.5], 1, [3]], [0, [9], 1, [3]]]
+    results = []
+    for program in (True, False):
+        it = interpreter()
+        it.put(1, torch.tensor([1, 2, 3, 4], dtype=torch.int32).view(torch.uint8).clone(), "upload")
+        it.run_batch([graph])
+        if not program:
+            it.graphs.peek(5).program = False
+        for k, scal in enumerate(overrides):
+            it.run_batch([[m.REPLAY, 5, [1], [10 + 2 * k, 11 + 2 * k], scal]])
+            if program and k == 1:
+                prog = it.graphs.peek(5).program
+                assert prog.fast[0].otypes == (int,) and prog.fast[1].otypes is None
+        results.append([(it.tensors[i].view(torch.int32 if i % 2 == 0 else torch.int64).tolist()
+                         if i in it.tensors else it.poison[i].error["message"]) for i in range(10, 20)])
+    assert results[0] == results[1]
+    got = results[0]
+    assert got[0] == [3, 6, 9, 12] and got[2] == [5, 10, 15, 20] and got[8] == [9, 18, 27, 36]
+    assert "float32" in got[6] and "int32" in got[6]  # 2.5 * int32: a float result, refused against its spec
+    assert got[4] == [7, 14, 21, 28] and got[1] == got[3] == [0, 1, 2] and "arange" in got[5]
+
+
+def test_a_kept_result_read_by_the_next_graph_is_that_typed_tensor_itself() -> None:
+    """A fresh contiguous result kept by one graph is stored as a flat uint8 view of itself; the next graph
+    reading it in that layout takes the very tensor (in another layout of its dtype, a view of it): no
+    storage view per replay. Values equal the generic replays'."""
+    f = "float32"
+    lay2, flat = [[2, 4], [4, 1], 0, f], [[8], [1], 0, f]
+    add = {"a": [0, 0, 1], "l": [lay2, lay2], "o": [[0, [2, 4], [4, 1], 0, f, 32]]}
+    addf = {"a": [0, 0, 1], "l": [flat, flat], "o": [[0, [8], [1], 0, f, 32]]}
+    first = [m.GRAPH, 1, 2, [[1]], [["aten.add.Tensor", [2, 0, 1], 1, add]], [3], []]
+    second = [m.GRAPH, 2, 2, [[1]], [["aten.add.Tensor", [2, 0, 1], 1, add],
+                                     ["aten.add.Tensor", [2, 3, 1], 1, addf]], [3, 4], []]
+    results = []
+    for program in (True, False):
+        it = interpreter()
+        it.put(1, storage(range(8)), "upload")
+        it.put(2, storage([1.0] * 8), "upload")
+        it.run_batch([first, second])
+        if not program:
+            it.graphs.peek(1).program = it.graphs.peek(2).program = False
+        for k in range(3):
+            it.run_batch([[m.REPLAY, 1, [1, 2], [10 + k], []], [m.REPLAY, 2, [10 + k, 2], [20 + k, 30 + k], []]])
+            if program and k == 2:
+                typed = it.tensors[12].__dict__.get("_ember_result")
+                prog = it.graphs.peek(2).program
+                assert typed is not None and typed.shape == (2, 4) and prog.bound[0] is it.tensors[12]
+                views = [prog.V0[tr] for tr, _, _ in prog.in_lays[0]]
+                assert any(v is typed for v in views)
+                assert all(v.untyped_storage().data_ptr() == typed.untyped_storage().data_ptr() for v in views)
+        results.append([floats(it.tensors[i])[:8] for i in (10, 11, 12, 20, 21, 22, 30, 31, 32)])
+    assert results[0] == results[1]
+    assert results[0][0] == [i + 1.0 for i in range(8)] and results[0][3] == [i + 2.0 for i in range(8)]
+
+
+def test_an_eager_result_is_read_as_itself_by_the_next_call() -> None:
+    """An eager call's fresh result is stored as a flat uint8 view of itself that keeps it; the next planned
+    call reading it in its layout reads that very tensor, in another layout of its dtype a view of it; a
+    layout past its storage is refused as before."""
+    f = "float32"
+    l2, lt = [[2, 4], [4, 1], 0, f], [[4, 2], [1, 4], 0, f]
+    add = {"a": [0, 0, 1], "l": [l2, l2], "o": [[0, [2, 4], [4, 1], 0, f, 32]]}
+    neg = {"a": [0], "l": [lt], "o": [[0, [4, 2], [2, 1], 0, f, 32]]}
+    far = {"a": [0], "l": [[[4, 4], [4, 1], 0, f]], "o": [[0, [4, 4], [4, 1], 0, f, 64]]}
+    it = interpreter()
+    it.put(1, storage(range(8)), "upload")
+    it.put(2, storage([1.0] * 8), "upload")
+    it.run_batch([[m.OP, "aten.add.Tensor", [[1], 1, 2], 1, [3], add]])
+    typed = it.tensors[3].__dict__["_ember_result"]
+    assert typed.shape == (2, 4) and typed.untyped_storage().data_ptr() == it.tensors[3].data_ptr()
+    it.run_batch([[m.OP, "aten.add.Tensor", [[1], 3, 3], 1, [4], add]])
+    assert it.tensors[3].__dict__["_ember_typed"][2] is typed
+    it.run_batch([[m.OP, "aten.neg.default", [[], 3], 1, [5], neg], [m.OP, "aten.neg.default", [[], 3], 1, [6], far]])
+    assert floats(it.tensors[4])[:8] == [2.0 * (i + 1) for i in range(8)]
+    assert floats(it.tensors[5])[:8] == [-float(1 + i // 2 + 4 * (i % 2)) for i in range(8)]
+    assert 6 not in it.tensors and "reaches byte 64" in it.poison[6].error["message"]
+
+
+def test_a_step_whose_check_reads_operand_values_checks_them_at_every_replay() -> None:
+    """embedding_dense_backward's indices are positions: its step is a fast step that runs the position
+    check on every replay's indices; an index out of range is refused with the generic replay's poison,
+    and the next valid replay is right again (equal to the generic replay's throughout)."""
+    f = "float32"
+    g, idx = [[3, 2], [2, 1], 0, f], [[3], [1], 0, "int64"]
+    kw = {"a": [0, 0, 4, -1, False], "l": [g, idx], "o": [[0, [4, 2], [2, 1], 0, f, 32]]}
+    graph = [m.GRAPH, 3, 2, [[]], [["aten.embedding_dense_backward.default", [2, 0, 1], 1, kw]], [3], []]
+    results = []
+    for program in (True, False):
+        it = interpreter()
+        it.put(1, storage(range(6)), "upload")
+        for tid, ix in ((2, [0, 3, 0]), (3, [1, 4, 2])):
+            it.put(tid, torch.tensor(ix, dtype=torch.int64).view(torch.uint8).clone(), "upload")
+        it.run_batch([graph])
+        if not program:
+            it.graphs.peek(3).program = False
+        it.run_batch([[m.REPLAY, 3, [1, i], [10 + k], []] for k, i in enumerate((2, 2, 3, 2))])
+        if program:
+            fs = it.graphs.peek(3).program.fast[0]
+            assert fs is not None and fs.vcheck is not None and fs.trusted
+        results.append([floats(it.tensors[i])[:8] if i in it.tensors else it.poison[i].error["message"]
+                        for i in range(10, 14)])
+    assert results[0] == results[1]
+    assert results[0][0] == results[0][3] == [4.0, 6.0, 0.0, 0.0, 0.0, 0.0, 2.0, 3.0]
+    assert "indices" in results[0][2] and "[1, 4]" in results[0][2]
+
+
+def test_a_step_calls_torchs_python_function_only_where_it_makes_exactly_the_steps_call() -> None:
+    """A fast step calls torch's own Python function for its overload (unboxed, cheaper than the boxed handle)
+    only when, on meta tensors, that function makes one call of that very overload with the same arguments:
+    aten.add.Tensor and aten.mm are so; torch.add with a number calls add.Tensor (a wrapped number), so a
+    step of aten.add.Scalar keeps its handle. Values equal the handle's."""
+    from ember.server.execute.step_maker import python_binding
+
+    meta = torch.device("meta")
+    x, y = torch.empty(2, 3, device=meta), torch.empty(2, 3, device=meta)
+    aten = torch.ops.aten
+    assert python_binding(aten.add.Tensor, [x, y], {"alpha": 1}) is torch._C._VariableFunctions.add
+    assert python_binding(aten.mm.default, [x, torch.empty(3, 4, device=meta)], {}) is torch._C._VariableFunctions.mm
+    assert python_binding(aten.add.Scalar, [x, 2.0, 1], {}) is None
+    assert python_binding(aten.add.Tensor, [x, y], {"alpha": 2.5}) is torch._C._VariableFunctions.add
+    it = interpreter()
+    it.put(1, storage(range(16)), "upload")
+    it.put(2, storage([0.25] * 16), "upload")
+    it.run_batch([chain(3)] + [[m.REPLAY, 1, [1, 2], [10 + k], []] for k in range(3)])
+    prog = it.graphs.peek(1).program
+    assert all(fs.trusted for fs in prog.fast) and floats(it.tensors[12]) == [i + 0.75 for i in range(16)]

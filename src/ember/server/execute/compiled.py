@@ -205,7 +205,8 @@ def prefix(prog: Any, g: Any) -> Any:
     numel: dict[int, int] = {}
     steps: list[Any] = []
     for fs in prog.fast:
-        if fs is None or not fs.trusted or fs.wtrs or fs.fc is None or not _draws_nothing(fs):
+        if fs is None or not fs.trusted or fs.wtrs or fs.fc is None or fs.vcheck is not None \
+                or not _draws_nothing(fs):  # (a step that checks operand values at every call stays eager)
             break
         new = [tr for tr in dict.fromkeys(fs.trs) if tr not in produced and tr not in in_trs and tr not in views]
         if any(tr not in inputs and not _viewable(prog, tr, derived, dense, numel, extent) for tr in new):

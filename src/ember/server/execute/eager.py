@@ -6,7 +6,7 @@ each output spec on every call. A client sends the same few call shapes again an
 template ``a``, the operand layouts ``l`` and the output specs ``o`` of ``(a + 1).item()`` are the
 same every time; only the scalars' values and the storages change), so the kernel keeps, per
 call shape, what those checks found (:class:`EagerPlan`): the overload's call made once from the
-bound template (``program._maker``, as a replayed graph's fast step), each operand's typed layout
+bound template (``step_maker._maker``, as a replayed graph's fast step), each operand's typed layout
 and extent, each output's spec. A call of a known shape then only checks what may differ
 between calls: that each operand names a storage holding its layout, that the scalars are
 numbers, and that each result is exactly what its spec says (else the generic ``_store`` copies
@@ -14,9 +14,11 @@ it into its layout or says why, as the generic kernel does).
 
 A planned call also keeps, on each stored storage value it reads, the typed view it read it through
 (``_VIEW``: the plan's layout, the storage, the view), so the next call of that shape on that storage
-makes no new view (a view sees every later write; the extent check still runs per call); and a flat
-result of exactly its spec's bytes is adopted as a ``uint8`` view of itself. Each saves a
-``torch.empty(0).set_`` (~2 µs, a fifth of a small call's peer time).
+makes no new view (a view sees every later write; the extent check still runs per call); a result
+that spans all of its storage is adopted as a flat ``uint8`` view of itself that keeps the result
+(:func:`~.program.span`), and a later call (or graph) reading that storage value in the result's
+layout reads the result itself (in another layout of its dtype, an ``as_strided`` view of it). Each
+saves a ``torch.empty(0).set_`` (~2 µs, a fifth of a small call's peer time).
 
 Only calls that write no operand, resize nothing, and whose kernel needs no position check
 (:mod:`.positions`) take this way; everything else, and any call the plan's checks do not
@@ -37,7 +39,8 @@ import torch
 
 from ...protocol import aten as A
 from ...protocol.codec import packb
-from .program import _maker, _scalar_count, _slot
+from .program import TYPED, span
+from .step_maker import _maker, _scalar_count, _slot
 
 #: Call shapes one session remembers (a few per overload in real code; the cache starts over when full).
 MAX_PLANS = 512
@@ -81,9 +84,7 @@ class EagerPlan:
             _, size, stride, offset, dtype, nb = spec
             if type(nb) is not int or not A.layout_extent([size, stride, offset, dtype], itemsize) <= nb <= A.INT64[1]:
                 raise ValueError("output spec cannot hold its layout")
-            # a flat result of exactly its spec's bytes is spanned by a uint8 view of itself (cheaper than set_)
-            flat = len(size) == 1 and tuple(stride) == (1,) and offset == 0 and nb == size[0] * itemsize[dtype]
-            self.outs.append((spec[0], torch.Size(size), tuple(stride), offset, dtypes[dtype], nb, spec, flat))
+            self.outs.append((spec[0], torch.Size(size), tuple(stride), offset, dtypes[dtype], nb, spec))
 
     def run(self, k: Any, scalars: Any, bufs: tuple[Any, ...]) -> Any:
         """The call's stored results, or ``GENERIC`` (before anything ran) when the generic kernel must
@@ -107,7 +108,10 @@ class EagerPlan:
                 tensors.append(seen[2])
                 continue
             dt, off, size, stride, _ = lay
-            v = _empty((0,), dtype=dt, device=dev).set_(st, off, size, stride)
+            typed = d.get(TYPED)  # the typed result this storage value spans (program.span)
+            v = _of_result(typed, st, dt, off, size, stride) if typed is not None else None
+            if v is None:
+                v = _empty((0,), dtype=dt, device=dev).set_(st, off, size, stride)
             d[_VIEW] = (lay, st._cdata, v)
             tensors.append(v)
         scalar = self.scalar
@@ -118,25 +122,36 @@ class EagerPlan:
         res = k.follow_and_call(self.call, tensors, S)
         flat = res if isinstance(res, (tuple, list)) else (res,)
         stored = []
-        for idx, size, stride, off, dt, nb, spec, whole in self.outs:
+        for idx, size, stride, off, dt, nb, spec in self.outs:
             if idx >= len(flat):
                 return k._results(res, [o[6] for o in self.outs], tensors)  # raises why
             r = flat[idx]
             if type(r) is _Tensor and r.dtype is dt and r.shape == size and r.stride() == stride \
                     and r.storage_offset() == off:
                 st = r.untyped_storage()
-                n = st.nbytes()
-                if n >= nb and st.data_ptr() not in ptrs:  # adopted: a flat uint8 value spanning the storage
-                    if whole and n == nb:
-                        try:
-                            stored.append(r.view(_uint8))
-                            continue
-                        except RuntimeError:  # a conjugate or negative view bit: spanned as below (raw memory)
-                            pass
-                    stored.append(_empty((0,), dtype=_uint8, device=r.device).set_(st))  # (aten.as_storage)
+                if st.nbytes() >= nb and st.data_ptr() not in ptrs:  # adopted: a flat uint8 value spanning it
+                    stored.append(span(r, _as_storage, _uint8))  # (r itself when it spans all of its storage)
                     continue
             stored.append(k._store(r, spec, tensors))  # copies into the spec's layout, or says what is wrong
         return stored[0] if len(stored) == 1 else tuple(stored)
+
+
+def _as_storage(t: Any) -> Any:
+    return _empty((0,), dtype=_uint8, device=t.device).set_(t.untyped_storage())  # (aten.as_storage)
+
+
+def _of_result(typed: Any, st: Any, dt: Any, off: int, size: list[int], stride: list[int]) -> Any:
+    """An operand view made of ``typed``, the result a storage value spans: ``typed`` itself in its own
+    layout, else a view of it in another layout of its dtype (``as_strided`` checks the extent); None when
+    it is not on the storage ``st`` or not of dtype ``dt`` (the caller sets a view on the storage)."""
+    if typed.dtype is not dt or typed.untyped_storage()._cdata != st._cdata:
+        return None
+    if typed.storage_offset() == off and list(typed.shape) == size and list(typed.stride()) == stride:
+        return typed
+    try:
+        return typed.as_strided(size, stride, off)
+    except RuntimeError:  # past the storage: the caller's set_ says so (its extent was checked)
+        return None
 
 
 def plan_for(k: Any, plans: dict[bytes, Any], a: Any, l: Any, o: Any, dtypes: dict[str, Any],  # noqa: E741

@@ -288,7 +288,7 @@ def _margin_backward(a: Named) -> None:
 
 #: Checks that read the operands' layouts (shapes, numels) and literal arguments only, never a value: a
 #: registered graph's step of such an op is checked once when its program is lowered (its layouts are the
-#: same at every replay) and then runs unchecked on the fast path (``program._layouts_pass``).
+#: same at every replay) and then runs unchecked on the fast path (``step_maker._layouts_pass``).
 LAYOUT_CHECKS = frozenset({"native_layer_norm_backward", "_log_softmax_backward_data", "_softmax_backward_data"})
 
 #: Ops whose ``unsafe=True`` (skip the kernel's own checks) may pass through: the check here covers what it skips.

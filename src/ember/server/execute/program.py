@@ -4,7 +4,9 @@ At a graph's first replay :class:`Program` lowers it. Every ATen step whose temp
 checks as the generic kernel: :meth:`AtenKernel._bind`, each layout's extent, each output spec) becomes
 a *fast step*: a small function made once for its template that takes its operands from a file of
 *typed registers* and calls the overload's C++ handle directly (``OpOverload._op``; a random op through
-the session's stream). A typed register holds one register in one layout:
+the session's stream), or torch's own Python function for it (``torch.mm``: unboxed, 0.5-2 µs a call less)
+where that is shown, on meta tensors at lowering, to make exactly the step's call (``step_maker.
+python_binding``). A typed register holds one register in one layout:
 
 * a graph input in a layout its consumers read: a view of the input's storage, *cached* across replays
   keyed on the identity of the storage value the session holds (a replay with the same storages makes
@@ -17,13 +19,18 @@ the session's stream). A typed register holds one register in one layout:
 A fast step's results are checked against their specs (layout, bytes, no aliasing of an operand) until
 one run has shown they match exactly: from then on, for an overload whose schema returns fresh tensors
 and writes nothing, they are adopted unchecked (a kernel's output layout depends only on its operands'
-layouts and its template, both fixed). A replay that overrides a step's scalars checks it again.
+layouts and its template, both fixed). A replay that overrides a step's scalars checks it again, until
+one such replay with scalars of the same types was exact, for an overload whose results the scalars'
+values cannot shape (pointwise, ``_foreach_``: an optimizer's bias corrections change every step).
 
 The bytes of the fast steps' declared outputs are charged once per replay, up front (what the generic
 replay charges step by step); when that is over the budget, or a step's operand is poisoned, missing,
 or not a storage that holds its layout, the step runs as the generic replay runs it
 (:meth:`GraphReplay._step`: the same errors, the same poison), as does every step that is not a vetted
 ATen call. Storage values are made only where one is needed (a generic step's operand, a kept output).
+An op whose position check reads operand values (:mod:`.positions`: embedding backward's indices) is a
+fast step too: its function runs the check on the bound call at every replay, before the kernel, and
+raises what the generic step raises (the same poison); the compiled prefix (compiled.py) stops before it.
 
 A trusted step whose result is large (``POOL_MIN``) and never leaves the replay (not kept, read by fast
 steps only) writes it with the overload's ``out=`` twin into a buffer the program keeps across replays
@@ -33,21 +40,22 @@ fresh pages to fault in, per replay (glibc maps such buffers afresh each time: i
 
 from __future__ import annotations
 
-import keyword
 import sys
 from typing import Any, Callable
 
+from .step_maker import _MISS, _layouts_pass, _maker, _scalar_count, _slot, python_binding
+
 #: Results of at least this many bytes that never leave a replay get a buffer kept across replays.
 POOL_MIN = 1 << 20
-_MISS = object()  # a fast step's operand is not available as a typed tensor: run the generic step
-_MAKERS: dict[str, Any] = {}  # compiled step makers, by generated source (shared by all programs)
+TYPED = "_ember_result"  # the attribute of a storage value that holds the typed result it spans (span)
 
 
 class FastStep:
     """One ATen step of a program (see the module docstring)."""
 
     __slots__ = ("i", "kernel", "fc", "fd", "trs", "sreg", "n_scal", "outs", "one", "touts", "wtrs", "wregs",
-                 "wlays", "trustable", "trusted", "nbytes", "name", "kw", "oregs", "plan", "kwplan", "baked")
+                 "wlays", "trustable", "trusted", "nbytes", "name", "kw", "oregs", "plan", "kwplan", "baked",
+                 "otypes", "sfree", "fviews", "vcheck")
 
 
 class Program:
@@ -85,6 +93,7 @@ class Program:
         for fs in self.fast:
             if fs is not None:
                 fs.touts = [(spec[0], tro, self.derive.get(oreg)) for spec, tro, oreg in fs.outs]
+                fs.fviews = [None] * len(fs.touts)
         self.V0: list[Any] = [None] * len(self.trmap)
         self.bound: list[Any] = [None] * n_in  # the storage value each input's cached views are of
         self.need = sum(fs.nbytes for fs in self.fast if fs is not None)
@@ -126,8 +135,11 @@ class Program:
         if not isinstance(lays, list) or not isinstance(a, list) or len(a) != len(fn.args) \
                 or len(regs) != 1 + len(lays) or len(oregs) != len(specs):
             return None
+        vcheck = None  # a position check that reads operand values: run by the step, at every call
         if fn.check is not None and not _layouts_pass(fn, a, lays, aten, torch):
-            return None  # (an op whose operand values are positions runs its check: AtenKernel.run, generic)
+            if fn.special is not None:
+                return None  # (an RNN layer: AtenKernel.run, generic)
+            vcheck = fn.check
         sreg = regs[0]
         if not n_in <= sreg < first_out or any(n_in <= r < first_out for r in regs[1:]):
             return None
@@ -136,6 +148,7 @@ class Program:
         fs = FastStep()
         fs.i, fs.kernel, fs.name, fs.kw, fs.sreg, fs.oregs = i, fn, name, kw, sreg, oregs
         fs.trusted = False
+        fs.otypes = None  # the scalars' types of an overriding replay it was shown exact under (then trusted so)
         # bind once with markers: each tensor slot a distinct empty tensor, each scalar a distinct float
         marks = [torch.empty(0) for _ in lays]
         n_scal = _scalar_count(fn, a, aten.A)
@@ -156,9 +169,11 @@ class Program:
             baked = [aten._scalar(x) for x in consts] if type(consts) is list and len(consts) == n_scal else None
         except ValueError:
             baked = None
-        fs.plan, fs.kwplan, fs.baked = plan, kwplan, baked
-        fs.fc = _maker(plan, kwplan, op, fn.draw, baked, len(lays)) if baked is not None else None
-        fs.fd = _maker(plan, kwplan, op, fn.draw, None, len(lays))
+        fs.plan, fs.kwplan, fs.baked, fs.vcheck = plan, kwplan, baked, vcheck
+        fast_op = _parsed(fn, a, lays, consts, aten, torch) if op is not None and baked is not None and \
+            vcheck is None else None
+        fs.fc = _maker(plan, kwplan, fast_op or op, fn.draw, baked, len(lays), vcheck) if baked is not None else None
+        fs.fd = _maker(plan, kwplan, op, fn.draw, None, len(lays), vcheck)
         fs.outs = []
         nbytes = 0
         for spec, oreg in zip(specs, oregs):
@@ -175,6 +190,8 @@ class Program:
         # results adopted unchecked once shown exact: fresh tensors (or none: an in-place op whose written
         # operands kept their layout and bytes, which depends on their layouts only)
         fs.trustable = not specs or all(r.alias_info is None for r in fn.op._schema.returns)
+        # results shaped by the operands alone, whatever the scalars' values (not so: arange's end)
+        fs.sfree = torch.Tag.pointwise in fn.op.tags or fn.name.startswith("aten._foreach_")
         fs.one = -1
         return fs
 
@@ -190,9 +207,35 @@ class Program:
             for tr, _, _ in entries:
                 V0[tr] = None
         else:
-            self._derive(V0, b, entries, self.device)
+            base = b.__dict__.get(TYPED)  # the typed result it spans (:func:`span`): read as itself
+            if base is not None and entries:
+                entries = self._reuse(V0, b, base, entries)
+            if entries:
+                self._derive(V0, b, entries, self.device)
             self.bound[k] = b
             self.views.setdefault(id(b), set()).add((self, k))
+
+    def _reuse(self, V0: list[Any], b: Any, base: Any, entries: Any) -> list[Any]:
+        """Input views made of ``base`` (a typed tensor on ``b``'s very storage, on this device): ``base``
+        itself in its own layout, a view of it in another of its dtype (``as_strided`` checks the extent); the
+        entries left to :meth:`_derive`."""
+        if base.device != self.device or base.untyped_storage()._cdata != b.untyped_storage()._cdata:
+            return entries
+        dtype = base.dtype
+        have = (tuple(base.shape), base.stride(), base.storage_offset(), dtype)
+        DT, left = self.aten.DTYPES, []
+        for e in entries:
+            size, stride, off, dt = e[1]
+            if DT[dt] is not dtype:
+                left.append(e)
+            elif (size, stride, off, dtype) == have:
+                V0[e[0]] = base
+            else:
+                try:
+                    V0[e[0]] = base.as_strided(size, stride, off)
+                except RuntimeError:  # past the storage: _derive says so
+                    left.append(e)
+        return left
 
     def unbind(self, k: int, b: Any) -> None:
         """Input ``k``'s cached views are of ``b``, which the session no longer holds: drop them."""
@@ -248,16 +291,40 @@ class Program:
                 elif fs.one >= 0:
                     V[fs.one] = res
                 else:
-                    for idx, tro, d in fs.touts:
-                        r = res if idx < 0 else res[idx]
-                        V[tro] = r
-                        if d:
-                            self._derive(V, r, d)
+                    self._adopt(V, fs, res)
             else:
                 checked(it, g, R, V, st, fs, ovr)
         mat = self._mat
         for r in g.kept:
             mat(R, V, r)
+
+    def _adopt(self, V: list[Any], fs: FastStep, res: Any) -> None:
+        """A trusted step's results into their typed registers, and the other layouts later steps read them
+        in: views made at once where :meth:`_views_of` found them of the result's dtype and within its spec's
+        bytes (``as_strided`` checks the extent itself: one that does not fit is made by :meth:`_derive`)."""
+        for (idx, tro, d), f in zip(fs.touts, fs.fviews):
+            r = res if idx < 0 else res[idx]
+            V[tro] = r
+            if f is not None:
+                try:
+                    for tr, size, stride, off in f:
+                        V[tr] = r.as_strided(size, stride, off)
+                    continue
+                except RuntimeError:
+                    pass
+            if d:
+                self._derive(V, r, d)
+
+    def _views_of(self, fs: FastStep) -> list[Any]:
+        """Per result of ``fs`` (once trusted): the layouts later steps read it in as ``(typed register, size,
+        stride, offset)``, when each is of the result's dtype and within its spec's bytes; else None."""
+        DT, out = self.aten.DTYPES, []
+        specs = {tro: (dt, nb) for (_, _, _, _, dt, nb, _), tro, _ in fs.outs}
+        for _, tro, d in fs.touts:
+            dt, nb = specs[tro]
+            ok = bool(d) and all(DT[lay[3]] is dt and need <= nb for _, lay, need in d)
+            out.append([(tr, lay[0], lay[1], lay[2]) for tr, lay, _ in d] if ok else None)
+        return out
 
     def _mat(self, R: list[Any], V: list[Any], r: int) -> Any:
         """Register ``r``'s storage value (made from its typed register if only that exists)."""
@@ -265,7 +332,7 @@ class Program:
         if v is None and r in self.prod:
             t = V[self.prod[r]]
             if t is not None:
-                v = R[r] = self.aten.as_storage(t)
+                v = R[r] = span(t, self.aten.as_storage, self.torch.uint8)
         return v
 
     def _derive(self, V: list[Any], r: Any, d: Any, dev: Any = None) -> None:
@@ -336,6 +403,15 @@ class Program:
                 S = [self.aten._scalar(x) for x in s]
             except ValueError:
                 return self._generic(it, g, R, V, st, fs.i, fs)
+            types = tuple(map(type, S))
+            if types == fs.otypes:  # shown exact with scalars of these types: adopted unchecked (see _trust)
+                try:
+                    res = fs.fd(V, S)
+                except Exception as e:  # noqa: BLE001 - the kernel's own error: the op's poison
+                    return self._failed(it, R, V, st, fs, e)
+                if res is _MISS:
+                    return self._generic(it, g, R, V, st, fs.i, fs)
+                return self._adopt(V, fs, res)
         elif fs.fc is None:
             return self._generic(it, g, R, V, st, fs.i, fs)
         tensors = [V[t] for t in fs.trs]
@@ -390,11 +466,23 @@ class Program:
         for idx, tro, d in fs.touts:
             if d:
                 self._derive(V, V[tro], d)
-        if exact and fs.trustable and not over and fs.fc is not None:
-            if not isinstance(res, (tuple, list)):
-                fs.touts = [(-1, tro, d) for _, tro, d in fs.touts]
-                if len(fs.touts) == 1 and not fs.touts[0][2]:
-                    fs.one = fs.touts[0][1]
+        if exact and fs.trustable:
+            self._trust(it, g, fs, res, types if over else None)
+
+    def _trust(self, it: Any, g: Any, fs: FastStep, res: Any, types: tuple[type, ...] | None) -> None:
+        """Step ``fs``'s results matched their specs exactly: later replays adopt them unchecked. A result's
+        layout depends only on the operands' layouts, the template and the scalars' types (promotion: an int
+        tensor plus a float is a float tensor), and for a pointwise or ``_foreach_`` overload never on the
+        scalars' values (``sfree``; ``arange``'s end is a scalar), so a replay overriding such a step's scalars
+        is trusted too once one with scalars of the same types was exact (``types``)."""
+        if not isinstance(res, (tuple, list)) and any(idx >= 0 for idx, _, _ in fs.touts):
+            fs.touts = [(-1, tro, d) for _, tro, d in fs.touts]
+            if len(fs.touts) == 1 and not fs.touts[0][2]:
+                fs.one = fs.touts[0][1]
+        fs.fviews = self._views_of(fs)
+        if types is not None:
+            fs.otypes = types if fs.sfree else None
+        elif fs.fc is not None:
             fs.trusted = True
             if fs.one >= 0 and fs.nbytes >= POOL_MIN:
                 self._pool(it, g, fs)
@@ -424,7 +512,8 @@ class Program:
         torch = self.torch
         buf = torch.zeros(nb, dtype=torch.uint8, device=self.device)
         out = torch.empty((0,), dtype=dt, device=self.device).set_(buf.untyped_storage(), off, size, stride)
-        fs.fc = _maker(fs.plan, {**fs.kwplan, "out": ("c", out)}, twin._op, None, fs.baked, len(fs.trs))(fs.trs)
+        fs.fc = _maker(fs.plan, {**fs.kwplan, "out": ("c", out)}, twin._op, None, fs.baked, len(fs.trs),
+                       fs.vcheck)(fs.trs)
         self.pooled.append((fs, nb))
         self.mem = it.mem
 
@@ -437,6 +526,33 @@ class Program:
         self.pooled = []
 
 
+def _parsed(fn: Any, a: list[Any], lays: list[Any], consts: list[Any], aten: Any, torch: Any) -> Any:
+    """torch's Python function for the step's overload when it is shown to make exactly the step's call
+    (:func:`~.step_maker.python_binding`, on meta tensors in the step's layouts); else None (the handle)."""
+    try:
+        meta = torch.device("meta")
+        metas = [aten.operand(torch.empty(aten.A.layout_extent(lay, aten.ITEMSIZE), dtype=torch.uint8, device=meta),
+                              lay, meta) for lay in lays]
+        args, kwargs, _ = fn._bind(a, metas, consts)
+        return python_binding(fn.op, args, kwargs)
+    except Exception:  # noqa: BLE001 - the handle serves
+        return None
+
+
+def span(t: Any, as_storage: Callable[[Any], Any], u8: Any) -> Any:
+    """A storage value of result ``t``: ``t``'s own bytes as a flat ``uint8`` view when ``t`` covers all of
+    its storage from offset 0 (a fresh contiguous result: no new tensor set on a storage; ``t`` is kept on it,
+    ``TYPED``, and a later graph reads it as itself: :meth:`Program._reuse`); else :func:`aten.as_storage`."""
+    try:
+        u = t.view(-1).view(u8)
+        if u.storage_offset() == 0 and u.is_contiguous() and u.numel() == u.untyped_storage().nbytes():
+            u.__dict__[TYPED] = t
+            return u
+    except RuntimeError:  # not viewable flat (strided, a conjugate or negative bit): spanned by set_
+        pass
+    return as_storage(t)
+
+
 def _key(lay: Any) -> tuple[Any, ...]:
     return (tuple(lay[0]), tuple(lay[1]), lay[2], lay[3])
 
@@ -445,93 +561,4 @@ def _list(key: Any) -> list[Any]:
     return [list(key[0]), list(key[1]), key[2], key[3]]
 
 
-def _maker(plan: list[Any], kwplan: dict[str, Any], op: Any, draw: Any, baked: list[Any] | None,
-           n_ops: int) -> Callable[[list[int]], Any]:
-    """A maker of a step's function ``f(V)`` (or ``f(V, S)``: scalars given per call) from its typed
-    registers. The source names only generated identifiers; every value is passed in, never printed."""
-    consts: list[Any] = []
-
-    def expr(p: tuple[str, Any]) -> str:
-        kind, x = p
-        if kind == "t":
-            return f"a{x}"
-        if kind == "s":
-            return f"s{x}" if baked is not None else f"S[{x}]"
-        if kind == "l":
-            return "[" + "".join(expr(q) + ", " for q in x) + "]"
-        consts.append(x)
-        return f"c{len(consts) - 1}"
-
-    pos = [expr(p) for p in plan]
-    named = [(n, expr(p)) for n, p in kwplan.items()]
-    if draw is not None:
-        call = "draw([" + ", ".join(pos) + "], {" + ", ".join(f"{n!r}: {e}" for n, e in named) + "})"
-    else:
-        plain = [f"{n}={e}" for n, e in named if n.isidentifier() and not keyword.iskeyword(n)]
-        odd = [f"{n!r}: {e}" for n, e in named if not (n.isidentifier() and not keyword.iskeyword(n))]
-        call = "op(" + ", ".join(pos + plain + (["**{" + ", ".join(odd) + "}"] if odd else [])) + ")"
-    n_s = len(baked) if baked is not None else 0
-    params = ", ".join(["op", "draw", "MISS"] + [f"t{j}" for j in range(n_ops)] + [f"c{j}" for j in range(len(consts))]
-                       + [f"s{j}" for j in range(n_s)])
-    lines = [f"def make({params}):", "    def f(V" + (", S" if baked is None else "") + "):"]
-    lines += [f"        a{j} = V[t{j}]" for j in range(n_ops)]
-    if n_ops:
-        lines.append("        if " + " or ".join(f"a{j} is None" for j in range(n_ops)) + ":")
-        lines.append("            return MISS")
-    lines += [f"        return {call}", "    return f"]
-    src = "\n".join(lines) + "\n"
-    make = _MAKERS.get(src)
-    if make is None:
-        ns: dict[str, Any] = {}
-        exec(compile(src, "<ember program step>", "exec"), ns)  # noqa: S102 - generated from identifiers only
-        make = ns["make"]
-        if len(_MAKERS) < 1 << 14:
-            _MAKERS[src] = make
-    tail = consts + list(baked or ())
-    return lambda trs: make(op, draw, _MISS, *trs, *tail)
-
-
-def _layouts_pass(fn: Any, a: list[Any], lays: list[Any], aten: Any, torch: Any) -> bool:
-    """May a step of checked op ``fn`` run as a fast step (unchecked at replay)? Only when its check reads
-    the operands' layouts alone (``positions.LAYOUT_CHECKS``: every replay binds the same layouts), the
-    template has no scalar a replay could override, and the check passes here, once, on meta tensors in
-    those layouts."""
-    if fn.name.split(".")[1] not in aten.positions.LAYOUT_CHECKS or _scalar_count(fn, a, aten.A):
-        return False
-    try:
-        meta = torch.device("meta")
-        metas = [aten.operand(torch.empty(aten.A.layout_extent(lay, aten.ITEMSIZE), dtype=torch.uint8, device=meta),
-                              lay, meta) for lay in lays]  # (each layout over a storage that just holds it)
-        args, kwargs, _ = fn._bind(a, metas, [])
-        fn.check(args, kwargs)
-    except Exception:  # noqa: BLE001 - refused (or malformed): the generic step runs the check and says why
-        return False
-    return True
-
-
-def _scalar_count(k: Any, a: list[Any], A: Any) -> int:
-    """How many scalars the template ``a`` takes (the generic bind checks the count matches)."""
-    n = 0
-    for (_, cat, _, _), e in zip(k.args, a):
-        if cat == A.TENSOR_LIST and type(e) is list:
-            n += sum(1 for x in e if x == 1 and type(x) is int)
-        elif cat in (A.TENSOR, A.SCALAR) and e == 1 and type(e) is int:
-            n += 1
-        elif cat == A.SCALAR_LIST and type(e) is int and e >= 0:
-            n += e
-    return n
-
-
-def _slot(v: Any, tid: dict[int, int], sid: dict[int, int]) -> Any:
-    """What a bound argument becomes: ('t', i) a tensor operand, ('s', i) a scalar, ('l', [...]) a list
-    holding either, ('c', v) a constant of the template."""
-    if id(v) in tid and not isinstance(v, (int, float, bool)):
-        return ("t", tid[id(v)])
-    if type(v) is float and id(v) in sid:
-        return ("s", sid[id(v)])
-    if type(v) is list and any(id(x) in tid or (type(x) is float and id(x) in sid) for x in v):
-        return ("l", [_slot(x, tid, sid) for x in v])
-    return ("c", v)
-
-
-__all__ = ["Program", "FastStep"]
+__all__ = ["Program", "FastStep", "span", "TYPED"]
