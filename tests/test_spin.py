@@ -18,6 +18,7 @@ import pytest
 
 import ember
 import ember.array_api as xp
+from test_core_sessions import wait_until
 from ember.errors import SessionLost
 from ember.server import Server
 from ember.transport import loop as tloop
@@ -219,3 +220,32 @@ def test_a_peer_sharing_its_process_never_polls_hot():
         d.close()
     finally:
         srv.close()
+
+
+def test_a_client_polls_hot_only_for_an_answer_that_may_come_soon(hot_peer, monkeypatch):
+    """A read after a little work polls its socket hot; a read after much (a loss read after several steps of
+    queued work: milliseconds) sleeps at once, so that it does not spin its core's share away."""
+    from ember.client import exchange
+
+    srv, _sel = hot_peer
+    hot: list[bool] = []
+    real = spin.poll_hot
+    monkeypatch.setattr(spin, "poll_hot", lambda *a, **k: (hot.append(True), real(*a, **k))[1])
+    d = ember.connect(next(a for a in srv.addresses if a.startswith("tcp://")))
+    try:
+        x = xp.asarray(np.arange(4.0), device=d)
+        for i in range(5):  # a little work before each read: polled hot
+            np.testing.assert_array_equal((x + i).to_numpy(), np.arange(4.0) + i)
+        assert len(hot) >= 4 and d.session.stats["exchanges"] >= 4
+        hot.clear()
+        exchanges = d.session.stats["exchanges"]
+        y = x
+        for _ in range(2 * exchange.SOON_WORK):  # much work, then one read: it sleeps at once
+            y = y * 1.0 + 1.0
+        s = d.session
+        s.flush()
+        assert wait_until(lambda: not s._frames and s._parked, timeout=30)  # sent: the read finds the link calm
+        np.testing.assert_array_equal(y.to_numpy(), np.arange(4.0) + 2 * exchange.SOON_WORK)
+        assert d.session.stats["exchanges"] == exchanges + 1 and hot == []
+    finally:
+        d.close()

@@ -27,6 +27,12 @@ from typing import Any
 
 
 
+#: A request after at most this much work (messages and replayed ops) sent since the last answer may be
+#: answered within ``transport.spin.SPIN``: its caller polls for the answer without sleeping first. After more
+#: (a loss read every few training steps: milliseconds of queued work) it sleeps at once.
+SOON_WORK = 64
+
+
 class Exchanging:
     """The caller-thread round trip of ``ClientSession`` (see the module's docstring)."""
 
@@ -42,6 +48,9 @@ class Exchanging:
         s.stats["exchanges"] = 0  # round trips answered on the caller's thread
         #: requests a caller's thread is reading the answer of: the loop need not read for them
         self._exchanging: set[int] = set()
+        #: the work sent (``stats``' messages + replayed ops) up to the last request answered on a caller's
+        #: thread: the peer had run all of it then
+        self._work_answered = 0
 
     def _exchange(self, msg: list[Any], req: int, timeout: float) -> None:
         """Send the request ``msg`` (its waiter registered under ``req``) after everything pending,
@@ -70,6 +79,8 @@ class Exchanging:
                     self._to_sender_locked(frame)
                     return
             else:
+                st = s.stats
+                work = st["ops"] + st["replayed_ops"]  # messages and replayed ops sent so far
                 self._exchanging.add(req)
                 try:
                     calm.write(frame)  # in order: the sender is idle and we hold its lock
@@ -86,8 +97,10 @@ class Exchanging:
             else:
                 waiters, mine = s._waiters, self._exchanging
                 try:
-                    if calm.finish(s._on_frame, lambda: req not in waiters, timeout, lambda: mine.discard(req)):
+                    if calm.finish(s._on_frame, lambda: req not in waiters, timeout, lambda: mine.discard(req),
+                                   soon=work - self._work_answered <= SOON_WORK):
                         s.stats["exchanges"] += 1
+                        self._work_answered = work  # (the peer has run everything before this request)
                 finally:
                     mine.discard(req)
         except BaseException as e:  # noqa: BLE001 - as the receiver: the session ends with its reason

@@ -224,14 +224,15 @@ class CalmLink:
             raise ConnectionError(c._broken) from None
 
     def finish(self, on_frame: Callable[[bytes], None], done: Callable[[], bool], timeout: float,
-               handing_back: Callable[[], None] | None = None) -> bool:
+               handing_back: Callable[[], None] | None = None, soon: bool = True) -> bool:
         """Read frames for ``on_frame`` until ``done()`` (True), or hand the connection back to the
         loop (False: the caller waits the ordinary way; ``handing_back()`` is called first, while the
-        gate is held). Always gives the gate back. Raises ``ConnectionError`` when the link breaks
+        gate is held). ``soon``: the answer may come within ``spin.SPIN`` (the peer has little to do
+        before it): poll for it without sleeping first. Always gives the gate back. Raises ``ConnectionError`` when the link breaks
         or ends, and what ``on_frame`` raises."""
         c = self.conn
         deadline = time.monotonic() + min(timeout, PATIENCE)
-        hot = spin.SPIN > 0
+        hot = soon and spin.SPIN > 0
         back = True
         try:
             while not done():
