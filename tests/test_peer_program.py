@@ -351,25 +351,3 @@ def test_a_step_whose_check_reads_operand_values_checks_them_at_every_replay() -
     assert results[0] == results[1]
     assert results[0][0] == results[0][3] == [4.0, 6.0, 0.0, 0.0, 0.0, 0.0, 2.0, 3.0]
     assert "indices" in results[0][2] and "[1, 4]" in results[0][2]
-
-
-def test_a_step_calls_torchs_python_function_only_where_it_makes_exactly_the_steps_call() -> None:
-    """A fast step calls torch's own Python function for its overload (unboxed, cheaper than the boxed handle)
-    only when, on meta tensors, that function makes one call of that very overload with the same arguments:
-    aten.add.Tensor and aten.mm are so; torch.add with a number calls add.Tensor (a wrapped number), so a
-    step of aten.add.Scalar keeps its handle. Values equal the handle's."""
-    from ember.server.execute.step_maker import python_binding
-
-    meta = torch.device("meta")
-    x, y = torch.empty(2, 3, device=meta), torch.empty(2, 3, device=meta)
-    aten = torch.ops.aten
-    assert python_binding(aten.add.Tensor, [x, y], {"alpha": 1}) is torch._C._VariableFunctions.add
-    assert python_binding(aten.mm.default, [x, torch.empty(3, 4, device=meta)], {}) is torch._C._VariableFunctions.mm
-    assert python_binding(aten.add.Scalar, [x, 2.0, 1], {}) is None
-    assert python_binding(aten.add.Tensor, [x, y], {"alpha": 2.5}) is torch._C._VariableFunctions.add
-    it = interpreter()
-    it.put(1, storage(range(16)), "upload")
-    it.put(2, storage([0.25] * 16), "upload")
-    it.run_batch([chain(3)] + [[m.REPLAY, 1, [1, 2], [10 + k], []] for k in range(3)])
-    prog = it.graphs.peek(1).program
-    assert all(fs.trusted for fs in prog.fast) and floats(it.tensors[12]) == [i + 0.75 for i in range(16)]

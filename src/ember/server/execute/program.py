@@ -4,9 +4,7 @@ At a graph's first replay :class:`Program` lowers it. Every ATen step whose temp
 checks as the generic kernel: :meth:`AtenKernel._bind`, each layout's extent, each output spec) becomes
 a *fast step*: a small function made once for its template that takes its operands from a file of
 *typed registers* and calls the overload's C++ handle directly (``OpOverload._op``; a random op through
-the session's stream), or torch's own Python function for it (``torch.mm``: unboxed, 0.5-2 µs a call less)
-where that is shown, on meta tensors at lowering, to make exactly the step's call (``step_maker.
-python_binding``). A typed register holds one register in one layout:
+the session's stream). A typed register holds one register in one layout:
 
 * a graph input in a layout its consumers read: a view of the input's storage, *cached* across replays
   keyed on the identity of the storage value the session holds (a replay with the same storages makes
@@ -43,7 +41,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from .step_maker import _MISS, _layouts_pass, _maker, _scalar_count, _slot, python_binding
+from .step_maker import _MISS, _layouts_pass, _maker, _scalar_count, _slot
 
 #: Results of at least this many bytes that never leave a replay get a buffer kept across replays.
 POOL_MIN = 1 << 20
@@ -170,9 +168,7 @@ class Program:
         except ValueError:
             baked = None
         fs.plan, fs.kwplan, fs.baked, fs.vcheck = plan, kwplan, baked, vcheck
-        fast_op = _parsed(fn, a, lays, consts, aten, torch) if op is not None and baked is not None and \
-            vcheck is None else None
-        fs.fc = _maker(plan, kwplan, fast_op or op, fn.draw, baked, len(lays), vcheck) if baked is not None else None
+        fs.fc = _maker(plan, kwplan, op, fn.draw, baked, len(lays), vcheck) if baked is not None else None
         fs.fd = _maker(plan, kwplan, op, fn.draw, None, len(lays), vcheck)
         fs.outs = []
         nbytes = 0
@@ -524,19 +520,6 @@ class Program:
             fs.trusted = False  # (a program is not replayed after this; its steps would be checked again)
             self.mem.release(nb)
         self.pooled = []
-
-
-def _parsed(fn: Any, a: list[Any], lays: list[Any], consts: list[Any], aten: Any, torch: Any) -> Any:
-    """torch's Python function for the step's overload when it is shown to make exactly the step's call
-    (:func:`~.step_maker.python_binding`, on meta tensors in the step's layouts); else None (the handle)."""
-    try:
-        meta = torch.device("meta")
-        metas = [aten.operand(torch.empty(aten.A.layout_extent(lay, aten.ITEMSIZE), dtype=torch.uint8, device=meta),
-                              lay, meta) for lay in lays]
-        args, kwargs, _ = fn._bind(a, metas, consts)
-        return python_binding(fn.op, args, kwargs)
-    except Exception:  # noqa: BLE001 - the handle serves
-        return None
 
 
 def span(t: Any, as_storage: Callable[[Any], Any], u8: Any) -> Any:

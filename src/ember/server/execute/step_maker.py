@@ -9,7 +9,6 @@ how many scalars a template takes; :func:`_layouts_pass` whether a checked op's 
 from __future__ import annotations
 
 import keyword
-import warnings
 from typing import Any, Callable
 
 _MISS = object()  # a fast step's operand is not available as a typed tensor: run the generic step
@@ -112,74 +111,4 @@ def _slot(v: Any, tid: dict[int, int], sid: dict[int, int]) -> Any:
     return ("c", v)
 
 
-#: torch's C++ Python bindings an overload may have (torch.add, torch._C._nn.gelu, ...).
-_BINDINGS = ("_VariableFunctions", "_nn", "_linalg", "_special", "_fft")
-
-
-def python_binding(op: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    """torch's own Python function for overload ``op`` (its argument parser calls the kernel unboxed: about
-    0.5-2 µs a call less than the overload's boxed handle ``op._op``), when calling it with ``args`` /
-    ``kwargs`` (a step bound on meta tensors, its scalars as the program bakes them) is shown to make exactly
-    one call, of ``op`` itself, with exactly these arguments; else None. The parser picks an overload by the
-    arguments' kinds, which a fast step's function never changes (its tensors are tensors, its baked scalars
-    keep their types)."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen: list[Any] = []
-
-    class Spy(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, a: Any = (), k: Any = None) -> Any:
-            seen.append((func, a, k or {}))
-            return func(*a, **(k or {}))
-
-    name = op._schema.name.split("::")[1]
-    for ns in _BINDINGS:
-        f = getattr(getattr(torch._C, ns, None), name, None)
-        if f is None:
-            continue
-        seen.clear()
-        try:
-            with Spy(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # (a deprecated signature that matched: refused below)
-                f(*args, **kwargs)
-        except Exception:  # noqa: BLE001, S112 - not this binding's signature (or no meta kernel): the handle serves
-            continue
-        if len(seen) == 1 and seen[0][0] is op and _same_call(op, seen[0][1], seen[0][2], args, kwargs):
-            return f
-    return None
-
-
-def _same_call(op: Any, a: Any, k: dict[str, Any], args: list[Any], kwargs: dict[str, Any]) -> bool:
-    """Did the dispatcher get ``args`` / ``kwargs`` (as ``a`` / ``k``): each schema argument the same
-    tensor objects, or equal values of the same types (a default given on one side only counts as given)."""
-    for j, arg in enumerate(op._schema.arguments):
-        got = _arg(arg, j, a, k)
-        want = _arg(arg, j, args, kwargs)
-        if got is _NONE or want is _NONE or not _same(got, want):
-            return False
-    return True
-
-
-_NONE = object()
-
-
-def _arg(arg: Any, j: int, pos: Any, named: dict[str, Any]) -> Any:
-    if not arg.kwarg_only and j < len(pos):
-        return pos[j]
-    if arg.name in named:
-        return named[arg.name]
-    return arg.default_value if arg.has_default_value() else _NONE
-
-
-def _same(x: Any, y: Any) -> bool:
-    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
-        return len(x) == len(y) and all(_same(u, v) for u, v in zip(x, y))
-    if type(x) is not type(y):
-        return False
-    if type(x).__name__ in ("Tensor", "Parameter") or hasattr(x, "data_ptr"):
-        return x is y
-    return bool(x == y)
-
-
-__all__ = ["_maker", "_slot", "_scalar_count", "_layouts_pass", "python_binding"]
+__all__ = ["_maker", "_slot", "_scalar_count", "_layouts_pass"]
