@@ -9,7 +9,7 @@ its session's finished batches grow with no read from the client and an idle tim
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -39,6 +39,28 @@ def _address(srv: Server, scheme: str) -> str:
     return next(a for a in srv.addresses if a.startswith(scheme))
 
 
+STEPS = 12
+
+
+def _steps(dev: ember.Device, n: int) -> Any:
+    """``STEPS`` steps, each an upload of ``n`` floats (the step's boundary: a message, not a read) and 10 ops
+    on it; the last step's result, not read."""
+    y = None
+    for i in range(STEPS):
+        y = xp.asarray(np.full(n, float(i)), device=dev)
+        for _ in range(10):
+            y = y * 1.5 + 1.0
+    return y
+
+
+def _last_step(n: int) -> np.ndarray:
+    """What ``_steps`` computes last, on the host."""
+    want = np.full(n, float(STEPS - 1))
+    for _ in range(10):
+        want = want * 1.5 + 1.0
+    return want
+
+
 def _done(srv: Server) -> int:
     """Batches the peer's sessions have run."""
     return sum(s.done for s in list(srv.live))
@@ -60,19 +82,11 @@ def test_replayed_groups_reach_the_peer_between_reads(server: Server, scheme: st
     s = dev.session
     try:
         before = _replayed(server)
-        y = None
-        for i in range(12):
-            x = xp.asarray(np.full(8, float(i)), device=dev)   # the step's boundary: a message, not a read
-            y = x
-            for _ in range(10):
-                y = y * 1.5 + 1.0
+        y = _steps(dev, 8)
         assert s.stats["replays"] >= 8, s.stats
         # no read yet: the peer has run the steps the client decided (all but the last, still held; 20 ops each)
         assert wait_until(lambda: _replayed(server) - before >= 8 * 20, timeout=30), (_replayed(server) - before, s.stats)
-        want = np.full(8, 11.0)
-        for _ in range(10):
-            want = want * 1.5 + 1.0
-        np.testing.assert_array_equal(y.to_numpy(), want)
+        np.testing.assert_array_equal(y.to_numpy(), _last_step(8))
     finally:
         dev.close()
 
@@ -93,17 +107,9 @@ def test_a_step_with_its_inputs_upload_leaves_from_the_recording_thread_over_tcp
     monkeypatch.setattr(tcp_exchange.CalmLink, "write", counting)
     dev = ember.connect(_address(server, "tcp://"), idle_flush=NEVER, graph_hold=NEVER)
     try:
-        y = None
-        for i in range(12):
-            x = xp.asarray(np.full(4096, float(i)), device=dev)  # 32 KiB, in the batch with the last replay
-            y = x
-            for _ in range(10):
-                y = y * 1.5 + 1.0
+        y = _steps(dev, 4096)  # 32 KiB uploads, each in the batch with the previous step's replay
         assert len(big) >= 8, (big, dev.session.stats)
-        want = np.full(4096, 11.0)
-        for _ in range(10):
-            want = want * 1.5 + 1.0
-        np.testing.assert_array_equal(y.to_numpy(), want)
+        np.testing.assert_array_equal(y.to_numpy(), _last_step(4096))
     finally:
         dev.close()
 
