@@ -40,6 +40,7 @@ table and the server resumes in order: nothing is lost, nothing reordered.
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections import OrderedDict
 from typing import Any
 
@@ -86,12 +87,8 @@ class Canon:
         if not (self.shape == other.shape and self.types == other.types and self.kept == other.kept
                 and self.consumed == other.consumed):
             return False
-        a, b = self.kws, other.kws
-        for x, y in zip(a, b):
-            if x is not y:
-                break
-        else:  # the very objects (a cached plan's keyword arguments): encoded alike, no need to encode them
-            return self._kwb is not None or other._kwb is not None  # (one side was shown encodable)
+        if all(map(operator.is_, self.kws, other.kws)):  # the very objects (a cached plan's keyword arguments):
+            return self._kwb is not None or other._kwb is not None  # encoded alike, and one side was shown encodable
         try:
             return self.kw_bytes() == other.kw_bytes()
         except Exception:  # noqa: BLE001 - a value the protocol cannot carry: not this graph
