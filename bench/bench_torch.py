@@ -48,8 +48,8 @@ def start_peer() -> tuple[subprocess.Popen, dict[str, str]]:
     cmd = [sys.executable, "-m", "ember.cli", "serve", "--device", "torch:cpu", "--websocket", "127.0.0.1:0",
            "--tcp", "127.0.0.1:0", "--offline", "--bind", "127.0.0.1:0",
            "--compile"]  # (compiled graphs only for sessions that ask: the +peer rows' connect(compile=True))
-    if (os.cpu_count() or 1) >= 2:
-        cmd = ["taskset", "-c", "1", *cmd]
+    if (os.cpu_count() or 1) >= 2:  # the peer on a core of its own, as on a server: it polls hot as there
+        cmd = ["taskset", "-c", "1", *cmd, "--spin-us", os.environ.get("EMBER_SPIN_US", "300")]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     addrs: dict[str, str] = {}
     deadline = time.monotonic() + 60

@@ -19,6 +19,7 @@ import pytest
 import ember
 import ember.array_api as xp
 from test_core_sessions import wait_until
+from ember.cli.main import build_parser
 from ember.errors import SessionLost
 from ember.server import Server
 from ember.transport import loop as tloop
@@ -48,6 +49,22 @@ def test_spin_seconds_follow_the_setting_and_never_spin_on_one_cpu(monkeypatch):
     monkeypatch.setenv("EMBER_SPIN_US", "250")
     monkeypatch.setattr(spin.os, "sched_getaffinity", lambda _pid: {0})
     assert spin._spin_seconds() == 0.0  # the spinner would hold the core the other end needs
+
+
+def test_a_peer_told_to_spin_spins_even_on_one_cpu(monkeypatch):
+    """``ember serve --spin-us``: a peer pinned to a core of its own polls hot there; bounded as the setting is."""
+    monkeypatch.setattr(spin.os, "sched_getaffinity", lambda _pid: {1})
+    monkeypatch.setattr(spin, "SPIN", 0.0)
+    spin.set_spin_us(250)
+    assert spin.SPIN == pytest.approx(250e-6)
+    spin.set_spin_us(1e9)
+    assert spin.SPIN == pytest.approx(10e-3)
+    for off in (0, -5, float("nan")):
+        spin.set_spin_us(off)
+        assert spin.SPIN == 0.0
+    args = build_parser().parse_args(["serve", "--spin-us", "300"])
+    assert args.spin_us == 300.0
+    assert build_parser().parse_args(["serve"]).spin_us is None  # (the default: EMBER_SPIN_US, one-CPU rule)
 
 
 def test_hot_selector_returns_an_event_from_its_hot_wait_and_keeps_timers(pair, monkeypatch):

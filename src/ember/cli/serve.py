@@ -13,6 +13,7 @@ from ..server import Server
 from ..server.guard.limits import ClientLimits
 from ..server.guard.auth import all_of, allowlist_authorizer, peer_id, read_peer_list, read_secret_file, token_authorizer
 from ..server.guard.memory import KEEP_FREED, keep_freed_pages, parse_size
+from ..transport import spin
 from ..transport.websocket import is_loopback
 
 
@@ -58,6 +59,10 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--compile", action="store_true",
                    help="compile the graphs sessions replay with inductor on torch devices, for clients that ask "
                         "(connect(..., compile=True)): vetted ATen ops only, compiled in the background, cached")
+    s.add_argument("--spin-us", type=float, default=None, metavar="US",
+                   help="poll the sockets this long without sleeping after a small answer (default: EMBER_SPIN_US "
+                        "or 300, and 0 when this process may use only one CPU); give it to a peer pinned to a core "
+                        "of its own (taskset -c N), which no client shares")
     s.add_argument("--collectives", action="store_true",
                    help="offer torch.distributed collectives to meshes of peers (gloo/NCCL authenticate nobody)")
     s.add_argument("--dist-host", default="127.0.0.1", metavar="IP",
@@ -177,6 +182,8 @@ def serve(args: argparse.Namespace) -> int:
     server = build_server(args)
     if args.keep_freed:  # this process is the peer's alone: buffers reused, not faulted in afresh each step
         keep_freed_pages(trim_threshold=args.keep_freed)
+    if args.spin_us is not None:  # (before the loop is made: it polls hot only with a spin)
+        spin.set_spin_us(args.spin_us)
     if not server.listeners:
         print("ember serve: error: no transport to serve on", file=sys.stderr)
         print("  hint: drop --no-iroh, or add --websocket 127.0.0.1:0 or --tcp 127.0.0.1:0", file=sys.stderr)
