@@ -8,8 +8,12 @@ answer, while no session's worker has work. Real sockets and a real peer on loop
 from __future__ import annotations
 
 import asyncio
+import os
 import select
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -266,3 +270,36 @@ def test_a_client_polls_hot_only_for_an_answer_that_may_come_soon(hot_peer, monk
         assert d.session.stats["exchanges"] == exchanges + 1 and hot == []
     finally:
         d.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins the peer to one CPU (Linux)")
+def test_serve_pinned_to_one_cpu_polls_hot_only_when_told():
+    """``ember serve`` as a user runs it, its affinity one CPU (``taskset -c N``): it never polls hot by
+    itself, and does with ``--spin-us``; either way it answers every round trip."""
+    torch = pytest.importorskip("torch")
+    import ember.torch  # noqa: F401
+    from test_core_cli import ENV, address_of
+    cpu = min(os.sched_getaffinity(0))
+    env = {k: v for k, v in ENV.items() if k != "EMBER_SPIN_US"} | {"EMBER_UVLOOP": "0"}
+    for told in (False, True):
+        extra = ["--spin-us", "300"] if told else []
+        p = subprocess.Popen([sys.executable, "-m", "ember.cli.main", "serve", "--no-iroh", "--tcp", "127.0.0.1:0",
+                              "--device", "torch:cpu", *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True, env=env, preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+        try:
+            addr = address_of(p, r"listening on (tcp://\S+)")
+            if told:
+                assert p.stdout.readline().strip() == "ember serve: polls hot for 300 µs after a small answer"
+            d = ember.connect(addr)
+            with d:
+                a = torch.arange(3.0, device="ember")
+                for i in range(20):
+                    assert (a + i).sum().item() == float(torch.arange(3.0).add(i).sum())
+            d.close()
+            p.send_signal(signal.SIGTERM)
+            rest, _ = p.communicate(timeout=30)
+            assert p.returncode == 0
+            assert ("polls hot" in rest) is False  # (told: said once, above; else never)
+        finally:
+            p.kill()

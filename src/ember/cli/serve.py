@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import ssl
 import sys
@@ -208,6 +209,8 @@ def serve(args: argparse.Namespace) -> int:
         listening(addresses)  # WebSocket and TCP first, then the iroh ticket
         if server.metrics_address:
             print(f"ember serve: metrics on {server.metrics_address}", flush=True)
+        if hasattr(asyncio.get_running_loop(), "keep_hot"):  # (EMBER_SPIN_US, --spin-us; never uvloop's)
+            print(f"ember serve: polls hot for {spin.SPIN * 1e6:g} µs after a small answer", flush=True)
         if server.admin_tokens or server.admin_peers:
             ways = (["admin token"] if server.admin_tokens else []) + \
                 [f"{len(server.admin_peers)} admin peer(s)"] * bool(server.admin_peers)
