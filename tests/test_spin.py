@@ -69,6 +69,10 @@ def test_a_peer_told_to_spin_spins_even_on_one_cpu(monkeypatch):
     args = build_parser().parse_args(["serve", "--spin-us", "300"])
     assert args.spin_us == 300.0
     assert build_parser().parse_args(["serve"]).spin_us is None  # (the default: EMBER_SPIN_US, one-CPU rule)
+    for bad in ("-5", "nan", "1e9", "fast"):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["serve", "--spin-us", bad])
+        assert e.value.code == 2  # argparse's usage error, with the reason
 
 
 def test_hot_selector_returns_an_event_from_its_hot_wait_and_keeps_timers(pair, monkeypatch):

@@ -60,10 +60,10 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--compile", action="store_true",
                    help="compile the graphs sessions replay with inductor on torch devices, for clients that ask "
                         "(connect(..., compile=True)): vetted ATen ops only, compiled in the background, cached")
-    s.add_argument("--spin-us", type=float, default=None, metavar="US",
-                   help="poll the sockets this long without sleeping after a small answer (default: EMBER_SPIN_US "
-                        "or 300, and 0 when this process may use only one CPU); give it to a peer pinned to a core "
-                        "of its own (taskset -c N), which no client shares")
+    s.add_argument("--spin-us", type=_spin_us, default=None, metavar="US",
+                   help="poll the sockets this long without sleeping after a small answer (0 to 10000; default: "
+                        "EMBER_SPIN_US or 300, and 0 when this process may use only one CPU); give it to a peer "
+                        "pinned to a core of its own (taskset -c N), which no client shares")
     s.add_argument("--collectives", action="store_true",
                    help="offer torch.distributed collectives to meshes of peers (gloo/NCCL authenticate nobody)")
     s.add_argument("--dist-host", default="127.0.0.1", metavar="IP",
@@ -74,6 +74,16 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
                    help="exit if no iroh relay answers (default: serve on direct addresses and keep retrying)")
     s.add_argument("--no-discovery", action="store_true",
                    help="no iroh discovery (publishing or lookups); relays, if any, still used")
+
+
+def _spin_us(text: str) -> float:
+    try:
+        us = float(text)
+    except ValueError:
+        us = -1.0
+    if not 0 <= us <= 10_000:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of microseconds from 0 to 10000 (0: never poll)")
+    return us
 
 
 def _size(text: str) -> int:
