@@ -36,20 +36,21 @@ def _maker(plan: list[Any], kwplan: dict[str, Any], op: Any, draw: Any, baked: l
 
     pos = [expr(p) for p in plan]
     named = [(n, expr(p)) for n, p in kwplan.items()]
+    args = "[" + ", ".join(pos) + "]"  # (the bound call as lists, for a check or a draw)
+    kwargs = "{" + ", ".join(f"{n!r}: {e}" for n, e in named) + "}"
     checked = []
     if check is not None:  # the bound call checked, then made from the same lists
-        checked = ["        A = [" + ", ".join(pos) + "]", "        K = {" + ", ".join(f"{n!r}: {e}" for n, e in named) + "}",
-                   "        check(A, K)"]
+        checked = [f"        A = {args}", f"        K = {kwargs}", "        check(A, K)"]
         call = "draw(A, K)" if draw is not None else "op(*A, **K)"
     elif draw is not None:
-        call = "draw([" + ", ".join(pos) + "], {" + ", ".join(f"{n!r}: {e}" for n, e in named) + "})"
+        call = f"draw({args}, {kwargs})"
     else:
         plain = [f"{n}={e}" for n, e in named if n.isidentifier() and not keyword.iskeyword(n)]
         odd = [f"{n!r}: {e}" for n, e in named if not (n.isidentifier() and not keyword.iskeyword(n))]
         call = "op(" + ", ".join(pos + plain + (["**{" + ", ".join(odd) + "}"] if odd else [])) + ")"
     n_s = len(baked) if baked is not None else 0
-    params = ", ".join(["op", "draw", "MISS", "check"] + [f"t{j}" for j in range(n_ops)] + [f"c{j}" for j in range(len(consts))]
-                       + [f"s{j}" for j in range(n_s)])
+    params = ", ".join(["op", "draw", "MISS", "check"] + [f"t{j}" for j in range(n_ops)]
+                       + [f"c{j}" for j in range(len(consts))] + [f"s{j}" for j in range(n_s)])
     lines = [f"def make({params}):", "    def f(V" + (", S" if baked is None else "") + "):"]
     lines += [f"        a{j} = V[t{j}]" for j in range(n_ops)]
     if n_ops:
