@@ -81,8 +81,9 @@ def _spin_us(text: str) -> float:
         us = float(text)
     except ValueError:
         us = -1.0
-    if not 0 <= us <= 10_000:  # (NaN too)
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of microseconds from 0 to 10000 (0: never poll)")
+    if not 0 <= us <= spin.MAX_SPIN_US:  # (NaN too)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of microseconds from 0 to {spin.MAX_SPIN_US:g} (0: never poll)")
     return us
 
 

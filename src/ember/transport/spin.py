@@ -32,8 +32,12 @@ import time
 from typing import Any
 
 
+#: The longest hot wait a setting may ask for (microseconds): a moment, never a busy loop.
+MAX_SPIN_US = 10_000.0
+
+
 def _bounded(us: float) -> float:
-    return 0.0 if math.isnan(us) else max(0.0, min(us, 10_000.0)) * 1e-6
+    return 0.0 if math.isnan(us) else max(0.0, min(us, MAX_SPIN_US)) * 1e-6
 
 
 def _spin_seconds() -> float:
@@ -152,4 +156,4 @@ def poll_hot(poller: Any, deadline: float, backoff: Backoff | None = None) -> bo
             return False
 
 
-__all__ = ["SPIN", "Backoff", "HotSelector", "poll_hot", "set_spin_us"]
+__all__ = ["SPIN", "MAX_SPIN_US", "Backoff", "HotSelector", "poll_hot", "set_spin_us"]

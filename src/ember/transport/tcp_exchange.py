@@ -228,8 +228,8 @@ class CalmLink:
         """Read frames for ``on_frame`` until ``done()`` (True), or hand the connection back to the
         loop (False: the caller waits the ordinary way; ``handing_back()`` is called first, while the
         gate is held). ``soon``: the answer may come within ``spin.SPIN`` (the peer has little to do
-        before it): poll for it without sleeping first. Always gives the gate back. Raises ``ConnectionError`` when the link breaks
-        or ends, and what ``on_frame`` raises."""
+        before it): poll for it without sleeping first. Always gives the gate back. Raises
+        ``ConnectionError`` when the link breaks or ends, and what ``on_frame`` raises."""
         c = self.conn
         deadline = time.monotonic() + min(timeout, PATIENCE)
         hot = soon and spin.SPIN > 0
