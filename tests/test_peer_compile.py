@@ -271,9 +271,10 @@ def test_an_index_out_of_range_inside_a_compiled_graph_gets_the_eager_poison() -
 @pytest.mark.timeout(600)
 def test_torch_compile_graphs_replay_compiled_on_a_peer_started_with_compile() -> None:
     """torch.compile(backend="ember") on a session that asked: the forward and backward graphs AOTAutograd
-    hands over (a transformer's: layer norms and their backward, attention, embeddings) are compiled by the
-    peer and replayed through it, the backward's layer-norm steps included (checked once, at lowering:
-    step_maker._layouts_pass); losses and parameters equal local CPU torch's within float tolerance."""
+    hands over (a transformer's: layer norms and their backward, attention, embeddings), which go out with the
+    loss between them as one replayed group, are compiled by the peer and replayed through it, the backward's
+    layer-norm steps included (checked once, at lowering: step_maker._layouts_pass); losses and parameters
+    equal local CPU torch's within float tolerance."""
     import ember
     import ember.torch  # noqa: F401
     from ember.server import Server
@@ -312,7 +313,7 @@ def test_torch_compile_graphs_replay_compiled_on_a_peer_started_with_compile() -
         after = srv.compiler.stats()
     finally:
         srv.close()
-    assert before["ready"] >= 2 and after["replays"] - before["replays"] >= 10, (before, after)
+    assert before["ready"] >= 1 and after["replays"] - before["replays"] >= 6, (before, after)
     assert longest >= 20, longest  # a graph's prefix, not only its first steps
     local = train("cpu", 8)
     torch.testing.assert_close(remote[0], local[0], rtol=1e-4, atol=1e-4)

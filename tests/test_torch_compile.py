@@ -182,3 +182,47 @@ def test_ember_s_own_kernels_are_never_compiled_by_dynamo() -> None:
         f(torch.randn(2, 5, 8, generator=g).to("ember")).sum().backward()
     assert counters["frames"]["total"] <= 4, dict(counters["frames"])
     assert m.lin.weight.grad is not None and torch.isfinite(m.lin.weight.grad.cpu()).all()
+
+
+def _replays_per_step(dev: Any, steps: int) -> tuple[list[float], list[Any], float, float]:
+    """The MLP trained ``steps`` steps under torch.compile on ``dev`` (the loss read every step); the losses, the
+    parameters, and the session's REPLAYs and replayed ops per step after the first 5 (a warm step)."""
+    s = dev.session
+    make, batch, loss_fn = WORKLOADS["mlp"]
+    torch.manual_seed(0)
+    model = make().to("ember")
+    run = torch.compile(model, backend="ember")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = (t.to("ember") for t in batch(torch.Generator().manual_seed(0)))
+    losses: list[float] = []
+    for step in range(steps):
+        if step == 5:
+            r0, n0 = s.stats["replays"], s.stats["replayed_ops"]
+        loss = loss_fn(run(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    k = steps - 5
+    return losses, [p.detach().cpu() for p in model.parameters()], (s.stats["replays"] - r0) / k, \
+        (s.stats["replayed_ops"] - n0) / k
+
+
+def test_a_compiled_training_step_goes_out_as_one_replay_with_its_loss(torch_peer: str) -> None:
+    """A training step's forward and backward graphs go into the session's op group with the eager loss between
+    them: per step one REPLAY of forward, loss and backward, and one of the optimizer's step (the tensors the
+    forward saves for the backward never get an id on the peer). Where the group has no room for a graph (a
+    session whose groups hold at most 2 ops) each graph is a REPLAY of its own. Both bit-equal to eager and to
+    local CPU torch over 100 steps."""
+    with ember.connect(torch_peer) as dev:
+        grouped = _replays_per_step(dev, 100)
+    with ember.connect(torch_peer, graph_max_ops=2) as dev:
+        alone = _replays_per_step(dev, 100)
+    with ember.connect(torch_peer) as dev:
+        eager = train("ember", "mlp", None, steps=100)
+    local = train("cpu", "mlp", None, steps=100)
+    assert grouped[2] == 2, grouped[2:]  # (forward, loss, backward) and the optimizer's step
+    assert alone[2] == 3, alone[2:]  # forward, backward, the optimizer's step (the loss's ops go as they are)
+    assert grouped[3] > alone[3]  # the loss's ops are replayed too
+    for got in (grouped, alone, eager):
+        same(local, got[:2])

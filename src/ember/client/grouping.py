@@ -177,6 +177,14 @@ class GroupHolding:
         return p
 
     # ---- whole graphs captured by a frontend (ember.torch.capture, torch.compile) -------------
+    def group_room(self) -> int:
+        """How many more ops the op group being recorded can take and still be replayed as one graph (0: none,
+        the session groups no ops now). A frontend with a captured graph of fewer ops records them into the group
+        rather than replaying its graph alone, so that the step's graphs and the eager ops between them become one
+        graph: what one of them hands the next (a forward's tensors saved for the backward) never gets an id."""
+        g = self._grp
+        return 0 if g is None else self._g_max - len(g)
+
     def graph_entry(self, c: Any) -> Any:
         """The registration of a captured graph (a :class:`~ember.client.graph.Canon`), or None when this
         session cannot replay graphs (the peer caches none) or its id collides with another body."""

@@ -4,10 +4,20 @@ Eager ember code pays Python dispatch for every ATen op (schema walk, plan looku
 output tensors: ~25-40 µs on the client). Under this backend Dynamo captures the model and
 AOTAutograd hands over functional forward and backward graphs; each graph's first call on a
 given input layout runs it through the ordinary dispatch while the session's messages are
-*captured*; later calls with the same layouts re-record the captured messages with fresh
-storage ids (inputs substituted, intermediates dropped at the end) and build the outputs
-from the captured layouts, with no per-op dispatch. What goes on the wire is the same as eager
-(and the session's graph cache replays it as usual), so results are bit-equal to eager.
+*captured*; later calls with the same layouts build the outputs from the captured layouts,
+with no per-op dispatch, and send either
+
+* the captured messages again, with fresh storage ids (inputs substituted, intermediates
+  dropped at the end): a training step's forward and backward graphs, into the session's op
+  group, with the eager ops between them (the loss): the optimizer's step or the next upload ends
+  the group, which goes out
+  as one ``REPLAY`` (:mod:`ember.client.graph`), so the tensors the forward saves for the
+  backward never get an id on the peer. (Inside ``ember.torch.capture``, every graph's
+  messages go into the capture's graph.) Or
+* one ``REPLAY`` of the captured graph: an inference graph, or a forward or backward with more
+  ops than the op group has room for.
+
+Either way the peer runs the same ops on the same data as eager, so results are bit-equal to eager.
 
 A graph whose capture did anything but record ATen ops (a read or other round trip, an upload,
 a reseed after ``torch.manual_seed``) is captured again on its next call, and after a few tries
@@ -93,8 +103,9 @@ def _replayable(msgs: list[list[Any]]) -> bool:
 class Replayer:
     """The compiled form of one AOT graph (forward, backward or inference)."""
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, joins: bool = False) -> None:
         self.gm = gm
+        self.joins = joins  # a training step's forward or backward: its ops may join the session's op group
         self.traces: dict[Any, _Trace | int] = {}  # layout key -> trace, or the captures tried so far
 
     def __call__(self, *args: Any) -> Any:
@@ -181,12 +192,18 @@ class Replayer:
         ids = session.ids
         for s in t.kept:
             live_session(s._ember)
-        if t.graph is None:
-            t.graph = _as_graph(t, session)
+        # One REPLAY of this graph alone; or its ops: into ember.torch.capture's graph, or (a training step's
+        # forward and backward) into the session's op group where that has room for them. The step's graphs and
+        # the eager ops between them then go out as one replayed group, and what the forward hands the backward
+        # (its saved tensors) never gets an id on the peer.
+        graphed = False
+        if not recording() and not (self.joins and len(t.messages) <= _room(session)):
+            if t.graph is None:
+                t.graph = _as_graph(t, session)
+            graphed = bool(t.graph)
         g = t.graph
-        graphed = bool(g) and not recording()
         cur = [r.sid for r in refs if r is not None]
-        if graphed:  # one REPLAY (inside ember.torch.capture: the ops, for its own graph)
+        if graphed:
             new = {f: next(ids) for f in g.fresh}  # (ids for its outputs only: intermediates never get one)
             session.replay_graph(g.entry, g.n_ops, [cur[x] if x >= 0 else ~x for x in g.in_pos],
                                  [new[o] for o in g.outs], g.over)
@@ -209,6 +226,11 @@ class Replayer:
                     session.release(sid)  # an intermediate: freed on the peer after the ops that use it
         stats["replays"] += 1
         return outs
+
+
+def _room(session: Any) -> int:
+    room = getattr(session, "group_room", None)  # (a mesh replays its graphs on each peer as they come)
+    return room() if room is not None else 0
 
 
 def _outputs(t: _Trace, new: dict[int, int], session: Any, device: Any, inputs: list[Any]) -> list[Any]:
@@ -263,11 +285,14 @@ def compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    def compile_graph(g: torch.fx.GraphModule, _inputs: list[Any]) -> Callable[..., Any]:
+    def training_graph(g: torch.fx.GraphModule, _inputs: list[Any]) -> Callable[..., Any]:
+        return make_boxed_func(Replayer(g, joins=True))
+
+    def inference_graph(g: torch.fx.GraphModule, _inputs: list[Any]) -> Callable[..., Any]:
         return make_boxed_func(Replayer(g))
     # (an inference graph that writes its inputs, as a compiled optimizer step does, keeps those writes in
     # the graph: replayed in place on the peer rather than copied back op by op on the client)
-    return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph,
+    return aot_autograd(fw_compiler=training_graph, bw_compiler=training_graph, inference_compiler=inference_graph,
                         keep_inference_input_mutations=True)(gm, example_inputs)
 
 

@@ -111,10 +111,15 @@ class Compiler:
         import torch
         t = time.perf_counter()
         try:
+            from torch._dynamo import config as dynamo_config
             from torch._inductor import config
             from torch._inductor.compile_fx import compile_fx
-            # indices are checked in the kernels (an out-of-range one raises: the replay runs eagerly)
-            with torch.no_grad(), config.patch({"assert_indirect_indexing": True}):
+            # indices are checked in the kernels (an out-of-range one raises: the replay runs eagerly). FX's
+            # "tracing" flag is one per process: while this thread traces, a client of an in-process peer that
+            # calls its torch.compile'd model runs that call eagerly rather than raising "Detected that you are
+            # using FX to symbolically trace a dynamo-optimized function".
+            with torch.no_grad(), config.patch({"assert_indirect_indexing": True}), \
+                    dynamo_config.patch(error_on_nested_fx_trace=False):
                 fn = compile_fx(gm, examples)
                 fn(*examples)  # the first call finishes loading the kernels
             c.fn, c.state = fn, READY
