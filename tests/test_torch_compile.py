@@ -210,10 +210,10 @@ def _replays_per_step(dev: Any, steps: int) -> tuple[list[float], list[Any], flo
 
 def test_a_compiled_training_step_goes_out_as_one_replay_with_its_loss(torch_peer: str) -> None:
     """A training step's forward and backward graphs go into the session's op group with the eager loss between
-    them: per step one REPLAY of forward, loss and backward, and one of the optimizer's step (the tensors the
-    forward saves for the backward never get an id on the peer). Where the group has no room for a graph (a
-    session whose groups hold at most 2 ops) each graph is a REPLAY of its own. Both bit-equal to eager and to
-    local CPU torch over 100 steps."""
+    them, and the optimizer's replayed step after them: per step one REPLAY of forward, loss, backward and
+    optimizer (the tensors the forward saves for the backward never get an id on the peer). Where the group has
+    no room for a graph (a session whose groups hold at most 2 ops) each graph is a REPLAY of its own. Both
+    bit-equal to eager and to local CPU torch over 100 steps."""
     with ember.connect(torch_peer) as dev:
         grouped = _replays_per_step(dev, 100)
     with ember.connect(torch_peer, graph_max_ops=2) as dev:
@@ -221,7 +221,7 @@ def test_a_compiled_training_step_goes_out_as_one_replay_with_its_loss(torch_pee
     with ember.connect(torch_peer) as dev:
         eager = train("ember", "mlp", None, steps=100)
     local = train("cpu", "mlp", None, steps=100)
-    assert grouped[2] == 2, grouped[2:]  # (forward, loss, backward) and the optimizer's step
+    assert grouped[2] == 1, grouped[2:]  # forward, loss, backward and the optimizer's step
     assert alone[2] == 3, alone[2:]  # forward, backward, the optimizer's step (the loss's ops go as they are)
     assert grouped[3] > alone[3]  # the loss's ops are replayed too
     for got in (grouped, alone, eager):

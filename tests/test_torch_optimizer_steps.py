@@ -98,6 +98,32 @@ def test_replayed_optimizer_steps_are_bit_equal_to_eager_over_100_steps(peer: em
     assert O.stats["diverged"] == before["diverged"]
 
 
+def test_a_replayed_step_joins_the_training_step_s_op_group(peer: ember.Device) -> None:
+    """After an eager forward and backward, the replayed step's ops go into the session's op group rather than
+    out as a REPLAY of their own: the whole training step (forward, loss, backward, AdamW) is one REPLAY, with
+    the same ops replayed as when the optimizer is dispatched op by op; and the result is eager's."""
+    def run(replayed: bool) -> tuple[float, float, list[Any]]:
+        ember.torch.capture_optimizer_steps(replayed)
+        s = peer.session
+        torch.manual_seed(0)
+        m = _mlp().to("ember")
+        o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        for k in range(40):
+            if k == 10:
+                r0, n0, o0 = s.stats["replays"], s.stats["replayed_ops"], O.stats["replays"]
+            x, y = W.classification_batch(g, 32, (16,), 4)
+            o.zero_grad(set_to_none=True)
+            F.cross_entropy(m(x.to("ember")), y.to("ember")).backward()
+            o.step()
+        assert (O.stats["replays"] - o0 == 30) is replayed
+        return (s.stats["replays"] - r0) / 30, (s.stats["replayed_ops"] - n0) / 30, \
+            [p.detach().cpu() for p in m.parameters()]
+    replayed, dispatched = run(True), run(False)
+    assert replayed[0] == 1 and replayed[:2] == dispatched[:2], (replayed[:2], dispatched[:2])
+    assert all(torch.equal(p, q) for p, q in zip(replayed[2], dispatched[2]))
+
+
 @pytest.mark.parametrize("variant", [{"fused": True}, {"foreach": False}, {"capturable": True}, {"amsgrad": True}])
 def test_fused_for_loop_and_capturable_variants_replay_bit_equal(variant: dict[str, bool]) -> None:
     with ember.connect("local:torch"):

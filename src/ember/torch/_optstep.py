@@ -12,7 +12,9 @@ is bound as it is now, never a stale one) and its scalars are kept (bias correct
 learning rate: they differ from step to step and become the replay's scalar values, so a
 schedule needs no new recording). Fresh results (the step's temporaries) are placeholders
 that never reach the peer. When the step returns, the whole of it goes out as one ``REPLAY``
-of the recorded graph: one message instead of a dispatch per ATen op (AdamW's foreach step is
+of the recorded graph -- or, where the session's op group has room for its ops (after an eager or
+``torch.compile``'d forward and backward), as the recorded messages again, into that group, which
+then goes out as one ``REPLAY`` of the whole training step: one message instead of a dispatch per ATen op (AdamW's foreach step is
 8 ops whatever the model, but each walks every parameter: ~1 ms of client CPU per step for a
 2-layer GPT, ~2 ms for a 6-layer one). The peer runs the same kernels on the same data, so a
 replayed step is bit-equal to an eager one.
@@ -48,6 +50,7 @@ from torch.optim import Optimizer
 
 from ..client.graph import canon
 from ..protocol import aten as A
+from ..protocol.messages import OP as _OP
 from . import _dispatch as D
 from ._capture import CaptureWarning, _Tap, recording
 from ._devices import materialize
@@ -206,7 +209,7 @@ class _Plan:
     """A recorded step that replays: its graph's registration and, per call, what binds it."""
 
     def __init__(self, calls: list[_Call], c: Any, entry: Any, session: Any, device: Any) -> None:
-        self.calls, self.entry, self.session, self.device = calls, entry, session, device
+        self.calls, self.entry, self.session, self.device, self.canon = calls, entry, session, device, c
         self.n_ops, self.n_in = len(c.shape), len(c.inputs)
         slot = k = 0
         for call in calls:
@@ -448,8 +451,12 @@ class _OptimizerCapture:
         for r in g.bind:
             if r.pending is not None:  # type: ignore[union-attr]
                 materialize(r)  # type: ignore[arg-type]
-        s.replay_graph(plan.entry, plan.n_ops, [r.sid for r in g.bind], [],  # type: ignore[union-attr]
-                       plan.entry.overrides(g.scalars))
+        bind = [r.sid for r in g.bind]  # type: ignore[union-attr]
+        room = getattr(s, "group_room", None)  # (a mesh replays the step on each peer as it comes)
+        if room is not None and plan.n_ops <= room():
+            _into_group(s, plan.canon, bind, g.scalars)
+        else:
+            s.replay_graph(plan.entry, plan.n_ops, bind, [], plan.entry.overrides(g.scalars))
         stats["replays"] += 1
         self.misses = 0
         return out
@@ -490,6 +497,23 @@ def _plan_of(tap: _Tap, rec: _Recorder, session: Any, device: Any) -> _Plan | st
     if entry is None:
         return "cannot be registered as a graph on this peer (graph_cache 0, or too many ops)"
     return _Plan(rec.calls, c, entry, session, device)
+
+
+def _into_group(s: Any, c: Any, bind: list[int], scalars: list[Any]) -> None:
+    """Record the plan's ops (its canonical form ``c``) again, on the ids ``bind`` and with this step's
+    ``scalars``, into the session's op group; its results are the step's temporaries (freed at once: the
+    group never gives them an id on the peer)."""
+    ids = s.ids
+    slots = [next(ids) for _ in range(c.n_slots)]
+    sc = iter(scalars)
+    record = s.record
+    k = 0
+    for (name, smask, refs, n_outs), kw in zip(c.shape, c.kws):
+        record([_OP, name, [next(sc) if r is None else slots[r] if r >= 0 else bind[~r] for r in refs], smask,
+                slots[k:k + n_outs], kw])
+        k += n_outs
+    for sid in slots:
+        s.release(sid)
 
 
 _states: weakref.WeakKeyDictionary[Optimizer, _OptimizerCapture] = weakref.WeakKeyDictionary()
