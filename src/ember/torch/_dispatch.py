@@ -222,7 +222,11 @@ def _generic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             counters["ops"] += 1
             counters["fast"] += 1
             if hit[2] is not None and note is None:
-                return _run_one(i, hit[0], refs, scalars + hit[1] if hit[1] else scalars, hit[2])
+                o = hit[2]
+                if o[0] == _FRESH:
+                    return _run_one(i, hit[0], refs, scalars + hit[1] if hit[1] else scalars, o)
+                if len(refs) == 1 and (not _inference_mode() or operands[o[1]].is_inference()):
+                    return new_tensor(o[2], o[3], o[4], o[5], storage=operands[o[1]].untyped_storage())
             return _run(i, hit[0], operands, refs, scalars + hit[1] if hit[1] else scalars)
     values = bound(i, args, kwargs)
     try:
@@ -316,13 +320,16 @@ def _fast_operand(v: Any, operands: list[torch.Tensor], refs: list[StorageRef]) 
 
 
 def _one_fresh(i: OpInfo, plan: _meta.Plan, refs: list[StorageRef]) -> tuple[Any, ...] | None:
-    """The output of a plan that sends one message and returns one new tensor on its one fresh storage
-    (most calls: ``a + b``, ``mm``, an activation), which ``_run_one`` runs; else None."""
-    if not (refs and plan.send and plan.ret == "one" and plan.n_fresh == 1 and len(plan.outputs) == 1
-            and not plan.grow and not plan.relayout and not i.seeded and i.refused is None):
+    """The output of a plan that returns one tensor and either sends one message, the tensor on its one fresh
+    storage (most calls: ``a + b``, ``mm``, an activation: ``_run_one`` runs it), or sends nothing, the tensor a
+    view of an operand (``view``, ``as_strided``: made at once); else None."""
+    if not (refs and plan.ret == "one" and len(plan.outputs) == 1 and not plan.grow and not plan.relayout
+            and not i.seeded and i.refused is None):
         return None
     o = plan.outputs[0]
-    return o if o[0] == _FRESH else None
+    if plan.send:
+        return o if plan.n_fresh == 1 and o[0] == _FRESH else None
+    return o if not plan.fresh_nbytes and o[0] == _VIEW else None
 
 
 def _run_one(i: OpInfo, plan: _meta.Plan, refs: list[StorageRef], scalars: list[Any], o: tuple[Any, ...]) -> Any:
