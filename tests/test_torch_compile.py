@@ -184,45 +184,51 @@ def test_ember_s_own_kernels_are_never_compiled_by_dynamo() -> None:
     assert m.lin.weight.grad is not None and torch.isfinite(m.lin.weight.grad.cpu()).all()
 
 
-def _replays_per_step(dev: Any, steps: int) -> tuple[list[float], list[Any], float, float]:
-    """The MLP trained ``steps`` steps under torch.compile on ``dev`` (the loss read every step); the losses, the
-    parameters, and the session's REPLAYs and replayed ops per step after the first 5 (a warm step)."""
+def _replays_per_step(dev: Any, steps: int, read_every: int) -> tuple[list[float], list[Any], float, float]:
+    """The MLP trained ``steps`` steps under torch.compile on ``dev`` (one batch, uploaded every step), its loss
+    read every ``read_every`` steps;
+    the losses read, the parameters, and the session's REPLAYs and replayed ops per step over the last 60."""
     s = dev.session
     make, batch, loss_fn = WORKLOADS["mlp"]
     torch.manual_seed(0)
     model = make().to("ember")
     run = torch.compile(model, backend="ember")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x, y = (t.to("ember") for t in batch(torch.Generator().manual_seed(0)))
+    xc, yc = batch(torch.Generator().manual_seed(0))
     losses: list[float] = []
     for step in range(steps):
-        if step == 5:
+        if step == steps - 60:
             r0, n0 = s.stats["replays"], s.stats["replayed_ops"]
+        x, y = xc.to("ember"), yc.to("ember")  # (uploaded every step, as a loader's batches are)
         loss = loss_fn(run(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
-    k = steps - 5
-    return losses, [p.detach().cpu() for p in model.parameters()], (s.stats["replays"] - r0) / k, \
-        (s.stats["replayed_ops"] - n0) / k
+        if step % read_every == read_every - 1:
+            losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in model.parameters()], (s.stats["replays"] - r0) / 60, \
+        (s.stats["replayed_ops"] - n0) / 60
 
 
 def test_a_compiled_training_step_goes_out_as_one_replay_with_its_loss(torch_peer: str) -> None:
     """A training step's forward and backward graphs go into the session's op group with the eager loss between
     them, and the optimizer's replayed step after them: per step one REPLAY of forward, loss, backward and
     optimizer (the tensors the forward saves for the backward never get an id on the peer). Where the group has
-    no room for a graph (a session whose groups hold at most 2 ops) each graph is a REPLAY of its own. Both
+    no room for a graph (a session whose groups hold at most 2 ops), or the loop reads its loss every step (a
+    held group would start on the peer only at the read), each graph is a REPLAY of its own, sent at once. All
     bit-equal to eager and to local CPU torch over 100 steps."""
     with ember.connect(torch_peer) as dev:
-        grouped = _replays_per_step(dev, 100)
+        grouped = _replays_per_step(dev, 100, read_every=10)
+        synced = _replays_per_step(dev, 100, read_every=1)
     with ember.connect(torch_peer, graph_max_ops=2) as dev:
-        alone = _replays_per_step(dev, 100)
+        alone = _replays_per_step(dev, 100, read_every=10)
     with ember.connect(torch_peer) as dev:
         eager = train("ember", "mlp", None, steps=100)
     local = train("cpu", "mlp", None, steps=100)
     assert grouped[2] == 1, grouped[2:]  # forward, loss, backward and the optimizer's step
+    assert synced[2] == 3, synced[2:]  # forward, backward, (loss and optimizer's step)
     assert alone[2] == 3, alone[2:]  # forward, backward, the optimizer's step (the loss's ops go as they are)
     assert grouped[3] > alone[3]  # the loss's ops are replayed too
-    for got in (grouped, alone, eager):
-        same(local, got[:2])
+    assert local[0] == synced[0] and local[0][9::10] == grouped[0] == alone[0], (local[0], grouped[0])
+    for got in (grouped, synced, alone, eager):
+        same((local[0][:0], local[1]), (got[0][:0], got[1]))

@@ -14,8 +14,10 @@ with no per-op dispatch, and send either
   as one ``REPLAY`` (:mod:`ember.client.graph`), so the tensors the forward saves for the
   backward never get an id on the peer. (Inside ``ember.torch.capture``, every graph's
   messages go into the capture's graph.) Or
-* one ``REPLAY`` of the captured graph: an inference graph, or a forward or backward with more
-  ops than the op group has room for.
+* one ``REPLAY`` of the captured graph, sent at once: an inference graph, a forward or backward
+  with more ops than the op group has room for, or one in a loop that reads a value about every
+  step (``loss.item()``), where a held group would start on the peer only at the read, and a
+  graph of its own lets the peer run the forward while the client runs the backward's Python.
 
 Either way the peer runs the same ops on the same data as eager, so results are bit-equal to eager.
 
@@ -106,6 +108,9 @@ class Replayer:
     def __init__(self, gm: torch.fx.GraphModule, joins: bool = False) -> None:
         self.gm = gm
         self.joins = joins  # a training step's forward or backward: its ops may join the session's op group
+        self.reads = -1  # the session's reads at the last call
+        self.synced = 0.0  # how often a value was read between two calls (a moving average)
+        self.paused = False  # joining paused: the loop reads a value about every step
         self.traces: dict[Any, _Trace | int] = {}  # layout key -> trace, or the captures tried so far
 
     def __call__(self, *args: Any) -> Any:
@@ -197,7 +202,7 @@ class Replayer:
         # the eager ops between them then go out as one replayed group, and what the forward hands the backward
         # (its saved tensors) never gets an id on the peer.
         graphed = False
-        if not recording() and not (self.joins and len(t.messages) <= _room(session)):
+        if not recording() and not (self.joins and self._joining(session) and len(t.messages) <= _room(session)):
             if t.graph is None:
                 t.graph = _as_graph(t, session)
             graphed = bool(t.graph)
@@ -226,6 +231,20 @@ class Replayer:
                     session.release(sid)  # an intermediate: freed on the peer after the ops that use it
         stats["replays"] += 1
         return outs
+
+    def _joining(self, session: Any) -> bool:
+        """Does this call's graph join the op group? Not in a loop that reads a value (``loss.item()``) about
+        every step: a held group starts on the peer only at the read, where this graph's own REPLAY starts at
+        once (the peer runs the forward while this thread runs the loss and the backward's Python). Decided on
+        a moving average with hysteresis, so that a read every few steps does not switch it back and forth."""
+        reads = session.stats.get("reads", 0)
+        self.synced = 0.75 * self.synced + (0.25 if reads != self.reads else 0.0)
+        self.reads = reads
+        if self.synced > 0.6:
+            self.paused = True
+        elif self.synced < 0.3:
+            self.paused = False
+        return not self.paused
 
 
 def _room(session: Any) -> int:
