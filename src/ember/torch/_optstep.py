@@ -14,10 +14,10 @@ schedule needs no new recording). Fresh results (the step's temporaries) are pla
 that never reach the peer. When the step returns, the whole of it goes out as one ``REPLAY``
 of the recorded graph -- or, where the session's op group has room for its ops (after an eager or
 ``torch.compile``'d forward and backward), as the recorded messages again, into that group, which
-then goes out as one ``REPLAY`` of the whole training step: one message instead of a dispatch per ATen op (AdamW's foreach step is
-8 ops whatever the model, but each walks every parameter: ~1 ms of client CPU per step for a
-2-layer GPT, ~2 ms for a 6-layer one). The peer runs the same kernels on the same data, so a
-replayed step is bit-equal to an eager one.
+then goes out as one ``REPLAY`` of the whole training step: one message instead of a dispatch
+per ATen op (AdamW's foreach step is 8 ops whatever the model, but each walks every parameter:
+~1 ms of client CPU per step for a 2-layer GPT, ~2 ms for a 6-layer one). The peer runs the
+same kernels on the same data, so a replayed step is bit-equal to an eager one.
 
 A call that differs from the recording (another overload, a layout, a parameter whose grad is
 now None, a new aliasing) ends the replay there: the calls already checked are dispatched for
