@@ -319,3 +319,53 @@ def test_torch_compile_graphs_replay_compiled_on_a_peer_started_with_compile() -
     torch.testing.assert_close(remote[0], local[0], rtol=1e-4, atol=1e-4)
     for p, q in zip(remote[1], local[1]):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
+
+
+def test_a_client_s_compiled_call_runs_while_an_in_process_peer_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FX's "tracing" flag is one per process: while an in-process peer's compile thread traces a graph, the
+    client's call of its torch.compile'd model in this very process runs as usual and gives eager's result,
+    instead of raising "Detected that you are using FX to symbolically trace a dynamo-optimized function".
+    The peer's compile is held inside its trace (the flag set, as make_fx sets it) while the client calls."""
+    import threading
+
+    import torch.fx._symbolic_trace as fx_trace
+    from torch._inductor import compile_fx as inductor
+
+    import ember
+    import ember.torch  # noqa: F401
+    from ember.server import Server
+    from ember.torch import workloads as W
+
+    tracing, release = threading.Event(), threading.Event()
+    real = inductor.compile_fx
+
+    def held_compile(gm: Any, examples: Any) -> Any:
+        before = fx_trace._is_fx_tracing_flag
+        fx_trace._is_fx_tracing_flag = True
+        tracing.set()
+        release.wait(120)
+        fx_trace._is_fx_tracing_flag = before
+        return real(gm, examples)
+    monkeypatch.setattr(inductor, "compile_fx", held_compile)
+    srv = Server(["torch:cpu"], compile=True)
+    srv.listen_tcp("127.0.0.1", 0)
+    addr = srv.start_in_thread()[0]
+    try:
+        with ember.connect(addr, compile=True):
+            torch.manual_seed(0)
+            model = W.MLP(16, 32, 4).to("ember")
+            run = torch.compile(model, backend="ember")
+            x = torch.randn(8, 16).to("ember")
+            with torch.no_grad():
+                want = model(x).cpu()
+                for _ in range(50):  # (the peer asks for a compile once a graph has replayed)
+                    run(x).cpu()
+                    if tracing.is_set():
+                        break
+                assert tracing.wait(60), "the peer never compiled"
+                got = run(x).cpu()  # the peer's thread is inside its trace now
+            release.set()
+            assert torch.equal(got, want)
+    finally:
+        release.set()
+        srv.close()

@@ -15,11 +15,12 @@ bit for bit), each stored in the layout its output spec names.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Iterator
 
 PENDING, READY, FAILED = "pending", "ready", "failed"
 #: A prefix shorter than this many steps is not worth a compile.
@@ -67,6 +68,43 @@ class Compiled:
         return self.p
 
 
+_fx = {"compiles": 0}  # compiles under way in this process (each traces its graph with FX)
+_fx_lock = threading.Lock()
+_fx_here = threading.local()  # ``on``: this thread is one of them
+
+
+@contextlib.contextmanager
+def _tracing_with_fx() -> Iterator[None]:
+    """While a compile traces its graph with FX (see :func:`_fx_flag_per_thread`)."""
+    with _fx_lock:
+        _fx["compiles"] += 1
+    _fx_here.on = True
+    try:
+        yield
+    finally:
+        _fx_here.on = False
+        with _fx_lock:
+            _fx["compiles"] -= 1
+
+
+def _fx_flag_per_thread() -> None:
+    """FX's "symbolically tracing" flag is one per process. While a peer's compile thread traces a graph, a client
+    of that peer in the same process (the embedded peer, a test's in-thread server) that calls its
+    ``torch.compile``'d model would get "Detected that you are using FX to symbolically trace a dynamo-optimized
+    function". So Dynamo's view of the flag leaves out the traces of this process's compile threads, seen from
+    any other thread. (Dynamo reads the predicate when ``torch.compile`` wraps a function: models compiled
+    before the first peer with compiled graphs was made in this process keep torch's own.)"""
+    import torch.fx._symbolic_trace as fx_trace
+    torch_s = fx_trace.is_fx_symbolic_tracing
+    if getattr(torch_s, "_ember", False):
+        return
+
+    def is_fx_symbolic_tracing() -> bool:
+        return torch_s() and not (_fx["compiles"] and not getattr(_fx_here, "on", False))
+    is_fx_symbolic_tracing._ember = True  # type: ignore[attr-defined]
+    fx_trace.is_fx_symbolic_tracing = is_fx_symbolic_tracing
+
+
 class Compiler:
     """A peer's compiled prefixes (one per Server with ``compile=True``), compiled by one background thread."""
 
@@ -76,6 +114,7 @@ class Compiler:
         self.pool: ThreadPoolExecutor | None = None
         self.compiles = self.failures = 0
         self.compile_seconds = 0.0
+        _fx_flag_per_thread()
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
@@ -111,15 +150,10 @@ class Compiler:
         import torch
         t = time.perf_counter()
         try:
-            from torch._dynamo import config as dynamo_config
             from torch._inductor import config
             from torch._inductor.compile_fx import compile_fx
-            # indices are checked in the kernels (an out-of-range one raises: the replay runs eagerly). FX's
-            # "tracing" flag is one per process: while this thread traces, a client of an in-process peer that
-            # calls its torch.compile'd model runs that call eagerly rather than raising "Detected that you are
-            # using FX to symbolically trace a dynamo-optimized function".
-            with torch.no_grad(), config.patch({"assert_indirect_indexing": True}), \
-                    dynamo_config.patch(error_on_nested_fx_trace=False):
+            # indices are checked in the kernels (an out-of-range one raises: the replay runs eagerly)
+            with torch.no_grad(), config.patch({"assert_indirect_indexing": True}), _tracing_with_fx():
                 fn = compile_fx(gm, examples)
                 fn(*examples)  # the first call finishes loading the kernels
             c.fn, c.state = fn, READY
