@@ -368,4 +368,6 @@ def test_a_client_s_compiled_call_runs_while_an_in_process_peer_compiles(monkeyp
             assert torch.equal(got, want)
     finally:
         release.set()
+        for c in list(srv.compiler.cache.values()):  # (no compile left running into the next test)
+            c.done.wait(300)
         srv.close()

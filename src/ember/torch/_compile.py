@@ -170,9 +170,12 @@ class Replayer:
         outputs: list[tuple[Any, ...]] = []
         for o in out:
             if not isinstance(o, torch.Tensor):
-                if o is not None:
-                    return None  # a value (a SymInt...): run eagerly rather than guess
-                outputs.append(("none",))
+                if o is None:
+                    outputs.append(("none",))
+                elif type(o) in (int, float, bool):  # (a size a dynamic-shape forward saves for its backward: the
+                    outputs.append(("value", o))    # key holds every input's shape, so it is this key's constant)
+                else:
+                    return None  # anything else: run eagerly rather than guess
                 continue
             r = ref_or_none(o)
             if r is None or r.pending is not None or r.session is not session:
@@ -261,8 +264,8 @@ def _outputs(t: _Trace, new: dict[int, int], session: Any, device: Any, inputs: 
     try:
         for o in t.outputs:
             kind = o[0]
-            if kind == "none":
-                outs.append(None)
+            if kind == "none" or kind == "value":
+                outs.append(o[1] if kind == "value" else None)
                 continue
             dtype, size, stride, offset, grad = o[2:]
             x = _create((0,), dtype)
