@@ -351,21 +351,18 @@ def test_a_client_s_compiled_call_runs_while_an_in_process_peer_compiles(monkeyp
     srv.listen_tcp("127.0.0.1", 0)
     addr = srv.start_in_thread()[0]
     try:
-        with ember.connect(addr, compile=True):
+        with ember.connect(addr, compile=True), torch.no_grad():
             torch.manual_seed(0)
             model = W.MLP(16, 32, 4).to("ember")
-            run = torch.compile(model, backend="ember")
-            x = torch.randn(8, 16).to("ember")
-            with torch.no_grad():
-                want = model(x).cpu()
-                for _ in range(50):  # (the peer asks for a compile once a graph has replayed)
-                    run(x).cpu()
-                    if tracing.is_set():
-                        break
-                assert tracing.wait(60), "the peer never compiled"
-                got = run(x).cpu()  # the peer's thread is inside its trace now
+            run, x = torch.compile(model, backend="ember"), torch.randn(8, 16).to("ember")
+            calls = 0
+            while not tracing.is_set() and calls < 50:  # (the peer asks for a compile once a graph has replayed)
+                run(x).cpu()
+                calls += 1
+            assert tracing.wait(60), "the peer never compiled"
+            got = run(x).cpu()  # the peer's thread is inside its trace now
             release.set()
-            assert torch.equal(got, want)
+            assert torch.equal(got, model(x).cpu())
     finally:
         release.set()
         for c in list(srv.compiler.cache.values()):  # (no compile left running into the next test)
