@@ -170,10 +170,8 @@ class Replayer:
         outputs: list[tuple[Any, ...]] = []
         for o in out:
             if not isinstance(o, torch.Tensor):
-                if o is None:
-                    outputs.append(("none",))
-                elif type(o) in (int, float, bool):  # (a size a dynamic-shape forward saves for its backward: the
-                    outputs.append(("value", o))    # key holds every input's shape, so it is this key's constant)
+                if o is None or type(o) in (int, float, bool):  # (an int: a size a dynamic-shape forward saves
+                    outputs.append(("value", o))  # for its backward; the key holds every input's shape: a constant)
                 else:
                     return None  # anything else: run eagerly rather than guess
                 continue
@@ -205,7 +203,7 @@ class Replayer:
         # the eager ops between them then go out as one replayed group, and what the forward hands the backward
         # (its saved tensors) never gets an id on the peer.
         graphed = False
-        if not recording() and not (self.joins and self._joining(session) and len(t.messages) <= _room(session)):
+        if not recording() and not (self.joins and self._joining(session) and len(t.messages) <= session.group_room()):
             if t.graph is None:
                 t.graph = _as_graph(t, session)
             graphed = bool(t.graph)
@@ -250,11 +248,6 @@ class Replayer:
         return not self.paused
 
 
-def _room(session: Any) -> int:
-    room = getattr(session, "group_room", None)  # (a mesh replays its graphs on each peer as they come)
-    return room() if room is not None else 0
-
-
 def _outputs(t: _Trace, new: dict[int, int], session: Any, device: Any, inputs: list[Any]) -> list[Any]:
     """The replay's outputs in the captured layouts: on the fresh storages ``new`` names (one storage per id),
     on an input's storage, or on a kept one."""
@@ -264,8 +257,8 @@ def _outputs(t: _Trace, new: dict[int, int], session: Any, device: Any, inputs: 
     try:
         for o in t.outputs:
             kind = o[0]
-            if kind == "none" or kind == "value":
-                outs.append(o[1] if kind == "value" else None)
+            if kind == "value":
+                outs.append(o[1])
                 continue
             dtype, size, stride, offset, grad = o[2:]
             x = _create((0,), dtype)

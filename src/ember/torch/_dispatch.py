@@ -225,8 +225,10 @@ def _generic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 o = hit[2]
                 if o[0] == _FRESH:
                     return _run_one(i, hit[0], refs, scalars + hit[1] if hit[1] else scalars, o)
-                if len(refs) == 1 and (not _inference_mode() or operands[o[1]].is_inference()):
-                    return new_tensor(o[2], o[3], o[4], o[5], storage=operands[o[1]].untyped_storage())
+                base = operands[o[1]]
+                if not _inference_mode() or base.is_inference():
+                    live_session(refs[0])  # (as _run: a view on an ended session raises SessionLost)
+                    return new_tensor(o[2], o[3], o[4], o[5], storage=base.untyped_storage())
             return _run(i, hit[0], operands, refs, scalars + hit[1] if hit[1] else scalars)
     values = bound(i, args, kwargs)
     try:
@@ -252,7 +254,7 @@ def _generic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if walked is not None:  # the next such call skips bound and _walk: the defaults' scalars are constant
         if len(_fast) >= _CACHE_MAX:
             _fast.clear()
-        _fast[walked[0]] = (plan, scalars[len(walked[3]):], _one_fresh(i, plan, refs))
+        _fast[walked[0]] = (plan, scalars[len(walked[3]):], _one_result(i, plan, refs))
     return _run(i, plan, operands, refs, scalars)
 
 
@@ -319,21 +321,21 @@ def _fast_operand(v: Any, operands: list[torch.Tensor], refs: list[StorageRef]) 
     return None if v is None else False
 
 
-def _one_fresh(i: OpInfo, plan: _meta.Plan, refs: list[StorageRef]) -> tuple[Any, ...] | None:
+def _one_result(i: OpInfo, plan: _meta.Plan, refs: list[StorageRef]) -> tuple[Any, ...] | None:
     """The output of a plan that returns one tensor and either sends one message, the tensor on its one fresh
     storage (most calls: ``a + b``, ``mm``, an activation: ``_run_one`` runs it), or sends nothing, the tensor a
-    view of an operand (``view``, ``as_strided``: made at once); else None."""
+    view of its one operand (``view``, ``as_strided``: made at once); else None."""
     if not (refs and plan.ret == "one" and len(plan.outputs) == 1 and not plan.grow and not plan.relayout
             and not i.seeded and i.refused is None):
         return None
     o = plan.outputs[0]
     if plan.send:
         return o if plan.n_fresh == 1 and o[0] == _FRESH else None
-    return o if not plan.fresh_nbytes and o[0] == _VIEW else None
+    return o if not plan.fresh_nbytes and o[0] == _VIEW and len(refs) == 1 else None
 
 
 def _run_one(i: OpInfo, plan: _meta.Plan, refs: list[StorageRef], scalars: list[Any], o: tuple[Any, ...]) -> Any:
-    """``_run`` for a plan ``_one_fresh`` describes, with ``o`` its output: the same message, the same tensor."""
+    """``_run`` for a plan whose one result ``o`` is fresh (``_one_result``): the same message, the same tensor."""
     r0 = refs[0]
     dev = r0.device
     for r in refs:

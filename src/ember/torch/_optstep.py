@@ -452,8 +452,7 @@ class _OptimizerCapture:
             if r.pending is not None:  # type: ignore[union-attr]
                 materialize(r)  # type: ignore[arg-type]
         bind = [r.sid for r in g.bind]  # type: ignore[union-attr]
-        room = getattr(s, "group_room", None)  # (a mesh replays the step on each peer as it comes)
-        if room is not None and plan.n_ops <= room():
+        if plan.n_ops <= s.group_room():
             _into_group(s, plan.canon, bind, g.scalars)
         else:
             s.replay_graph(plan.entry, plan.n_ops, bind, [], plan.entry.overrides(g.scalars))

@@ -122,6 +122,10 @@ class MeshSession:
         GRAPH and REPLAY frames are fanned out to every peer like any batch."""
         return self.leader.graph_entry(c)
 
+    def group_room(self) -> int:
+        """None: a mesh sends each captured graph as its own REPLAY, fanned out to every peer as it comes."""
+        return 0
+
     def replay_graph(self, *args: Any) -> None:
         self._check()
         with self._lock:
