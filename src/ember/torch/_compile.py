@@ -53,14 +53,18 @@ stats = {"captures": 0, "replays": 0, "eager": 0}
 
 class _Trace:
     """One capture: the messages, which sids were the inputs', and how to rebuild the outputs; and, once
-    registered, the graph a call replays (``graph``: None until tried, False when it cannot be one)."""
+    registered, the graph a call replays (``graph``: None until tried, False when it cannot be one). A trace is
+    one session's (its key holds the session): so is what it learned of that session's loop (``_joining``)."""
 
-    __slots__ = ("messages", "inputs", "fresh", "kept", "outputs", "graph")
+    __slots__ = ("messages", "inputs", "fresh", "kept", "outputs", "graph", "reads", "synced", "paused")
 
     def __init__(self, messages: list[list[Any]], inputs: list[int], fresh: list[int], kept: list[Any],
                  outputs: list[tuple[Any, ...]]) -> None:
         self.messages, self.inputs, self.fresh, self.kept, self.outputs = messages, inputs, fresh, kept, outputs
         self.graph: Any = None
+        self.reads = -1  # the session's reads at the last call
+        self.synced = 0.0  # how often a value was read between two calls (a moving average)
+        self.paused = False  # joining the op group paused: the loop reads a value about every step
 
 
 class _Graph:
@@ -108,9 +112,6 @@ class Replayer:
     def __init__(self, gm: torch.fx.GraphModule, joins: bool = False) -> None:
         self.gm = gm
         self.joins = joins  # a training step's forward or backward: its ops may join the session's op group
-        self.reads = -1  # the session's reads at the last call
-        self.synced = 0.0  # how often a value was read between two calls (a moving average)
-        self.paused = False  # joining paused: the loop reads a value about every step
         self.traces: dict[Any, _Trace | int] = {}  # layout key -> trace, or the captures tried so far
 
     def __call__(self, *args: Any) -> Any:
@@ -203,7 +204,7 @@ class Replayer:
         # the eager ops between them then go out as one replayed group, and what the forward hands the backward
         # (its saved tensors) never gets an id on the peer.
         graphed = False
-        if not recording() and not (self.joins and self._joining(session) and len(t.messages) <= session.group_room()):
+        if not recording() and not (self.joins and _joining(t, session) and len(t.messages) <= session.group_room()):
             if t.graph is None:
                 t.graph = _as_graph(t, session)
             graphed = bool(t.graph)
@@ -233,19 +234,20 @@ class Replayer:
         stats["replays"] += 1
         return outs
 
-    def _joining(self, session: Any) -> bool:
-        """Does this call's graph join the op group? Not in a loop that reads a value (``loss.item()``) about
-        every step: a held group starts on the peer only at the read, where this graph's own REPLAY starts at
-        once (the peer runs the forward while this thread runs the loss and the backward's Python). Decided on
-        a moving average with hysteresis, so that a read every few steps does not switch it back and forth."""
-        reads = session.stats.get("reads", 0)
-        self.synced = 0.75 * self.synced + (0.25 if reads != self.reads else 0.0)
-        self.reads = reads
-        if self.synced > 0.6:
-            self.paused = True
-        elif self.synced < 0.3:
-            self.paused = False
-        return not self.paused
+
+def _joining(t: _Trace, session: Any) -> bool:
+    """Does this call of ``t``'s graph join the op group? Not in a loop that reads a value (``loss.item()``) about
+    every step: a held group starts on the peer only at the read, where this graph's own REPLAY starts at
+    once (the peer runs the forward while this thread runs the loss and the backward's Python). Decided on
+    a moving average with hysteresis, so that a read every few steps does not switch it back and forth."""
+    reads = session.stats.get("reads", 0)
+    t.synced = 0.75 * t.synced + (0.25 if reads != t.reads else 0.0)
+    t.reads = reads
+    if t.synced > 0.6:
+        t.paused = True
+    elif t.synced < 0.3:
+        t.paused = False
+    return not t.paused
 
 
 def _outputs(t: _Trace, new: dict[int, int], session: Any, device: Any, inputs: list[Any]) -> list[Any]:
