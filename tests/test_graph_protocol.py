@@ -197,3 +197,21 @@ def test_a_replays_small_temporaries_are_charged_in_slack_sized_lots(n: int, ref
     assert mem.peak <= budget  # the overshoot of the uncharged lot never passes the budget's check
     p.send([DROP, [10 + n - 1]])
     assert mem.held() == 0
+
+
+def test_a_read_followed_by_more_work_is_answered_before_that_work_runs() -> None:
+    """[ops, READ, more ops, READ] in one batch (a step split at its loss, client/grouping.py): the first
+    READ's answer goes out on its own, before the ops after it have run; the second with the batch's end."""
+    peer = Peer()
+    seen: list[tuple[list[int], bool]] = []
+    respond = peer._respond
+
+    def watch(out: list[list[Any]]) -> None:
+        seen.append(([a[0] for a in out], 3 in peer.interp.tensors))
+        respond(out)
+    peer.interp.respond = watch
+    x = np.arange(4, dtype=np.float32)
+    peer.send(peer.upload(1, x), [OP, "exp", [1], 0, [2], None], [READ, 7, 2],
+              [OP, "multiply", [2, 2.0], 2, [3], None], [READ, 8, 3])
+    assert seen == [([7], False), ([8], True)]
+    assert np.allclose(peer.value(7), np.exp(x)) and np.allclose(peer.value(8), 2 * np.exp(x))

@@ -272,7 +272,8 @@ def test_an_index_out_of_range_inside_a_compiled_graph_gets_the_eager_poison() -
 def test_torch_compile_graphs_replay_compiled_on_a_peer_started_with_compile() -> None:
     """torch.compile(backend="ember") on a session that asked: the forward and backward graphs AOTAutograd
     hands over (a transformer's: layer norms and their backward, attention, embeddings), which go out with the
-    loss between them as one replayed group, are compiled by the peer and replayed through it, the backward's
+    loss between them as one replayed group (two, split where the loss is read every step: forward and loss,
+    then backward and the optimizer's step), are compiled by the peer and replayed through it, the backward's
     layer-norm steps included (checked once, at lowering: step_maker._layouts_pass); losses and parameters
     equal local CPU torch's within float tolerance."""
     import ember
@@ -303,7 +304,7 @@ def test_torch_compile_graphs_replay_compiled_on_a_peer_started_with_compile() -
     addr = srv.start_in_thread()[0]
     try:
         with ember.connect(addr, compile=True):
-            train("ember", 4)  # graphs registered, replayed, their compiles asked for
+            train("ember", 8)  # graphs registered, replayed, their compiles asked for
         for c in list(srv.compiler.cache.values()):
             assert c.done.wait(500), "the compile did not finish"
         before = srv.compiler.stats()

@@ -184,9 +184,10 @@ def test_ember_s_own_kernels_are_never_compiled_by_dynamo() -> None:
     assert m.lin.weight.grad is not None and torch.isfinite(m.lin.weight.grad.cpu()).all()
 
 
-def _replays_per_step(dev: Any, steps: int, read_every: int) -> tuple[list[float], list[Any], float, float]:
+def _replays_per_step(dev: Any, steps: int, read_every: int, late: bool = False) -> tuple[list[float], list[Any],
+                                                                                         float, float]:
     """The MLP trained ``steps`` steps under torch.compile on ``dev`` (one batch, uploaded every step), its loss
-    read every ``read_every`` steps;
+    read every ``read_every`` steps (``late``: as ``loss * 1``, a value the end of the step computes);
     the losses read, the parameters, and the session's REPLAYs and replayed ops per step over the last 60."""
     s = dev.session
     make, batch, loss_fn = WORKLOADS["mlp"]
@@ -205,7 +206,7 @@ def _replays_per_step(dev: Any, steps: int, read_every: int) -> tuple[list[float
         loss.backward()
         opt.step()
         if step % read_every == read_every - 1:
-            losses.append(loss.item())
+            losses.append((loss * 1 if late else loss).item())
     return losses, [p.detach().cpu() for p in model.parameters()], (s.stats["replays"] - r0) / 60, \
         (s.stats["replayed_ops"] - n0) / 60
 
@@ -213,24 +214,28 @@ def _replays_per_step(dev: Any, steps: int, read_every: int) -> tuple[list[float
 def test_a_compiled_training_step_goes_out_as_one_replay_with_its_loss(torch_peer: str) -> None:
     """A training step's forward and backward graphs go into the session's op group with the eager loss between
     them, and the optimizer's replayed step after them: per step one REPLAY of forward, loss, backward and
-    optimizer (the tensors the forward saves for the backward never get an id on the peer). Where the group has
-    no room for a graph (a session whose groups hold at most 2 ops), or the loop reads its loss every step (a
-    held group would start on the peer only at the read), each graph is a REPLAY of its own, sent at once. All
-    bit-equal to eager and to local CPU torch over 100 steps."""
+    optimizer (the tensors the forward saves for the backward never get an id on the peer). A loop that reads its
+    loss every step splits it: the peer answers after forward and loss, then runs the rest. Where the group has
+    no room for a graph (a session whose groups hold at most 2 ops), or the loop reads every step a value the end
+    of the step computes (a held group would start on the peer only at the read), each graph is a REPLAY of its
+    own, sent at once. All bit-equal to eager and to local CPU torch over 100 steps."""
     with ember.connect(torch_peer) as dev:
         grouped = _replays_per_step(dev, 100, read_every=10)
         synced = _replays_per_step(dev, 100, read_every=1)
+        late = _replays_per_step(dev, 100, read_every=1, late=True)
     with ember.connect(torch_peer, graph_max_ops=2) as dev:
         alone = _replays_per_step(dev, 100, read_every=10)
     with ember.connect(torch_peer) as dev:
         eager = train("ember", "mlp", None, steps=100)
     local = train("cpu", "mlp", None, steps=100)
-    assert grouped[2] == 1, grouped[2:]  # forward, loss, backward and the optimizer's step
-    assert synced[2] == 3, synced[2:]  # forward, backward, (loss and optimizer's step)
+    # forward, loss, backward and the optimizer's step; the step that reads its loss: forward and loss, then the rest
+    assert grouped[2] == 1.1, grouped[2:]
+    assert synced[2] == 2, synced[2:]  # forward and loss; backward and optimizer's step (the READ between them)
+    assert late[2] == 3, late[2:]  # forward, backward, (loss, optimizer's step and the value read)
     assert alone[2] == 3, alone[2:]  # forward, backward, the optimizer's step (the loss's ops go as they are)
     assert grouped[3] > alone[3]  # the loss's ops are replayed too
-    assert local[0] == synced[0] and local[0][9::10] == grouped[0] == alone[0], (local[0], grouped[0])
-    for got in (grouped, synced, alone, eager):
+    assert local[0] == synced[0] == late[0] and local[0][9::10] == grouped[0] == alone[0], (local[0], grouped[0])
+    for got in (grouped, synced, late, alone, eager):
         same((local[0][:0], local[1]), (got[0][:0], got[1]))
 
 

@@ -59,8 +59,7 @@ class Exchanging:
         s: Any = self
         calm = self._calm
         with s._lock:
-            s._boundary_locked()
-            s._pending.append(msg)
+            s._request_locked(msg)
             idle = not s._frames and s._parked and s.lost is None
             if calm is not None:
                 idle = idle and calm.begin()  # the gate: the loop's reader is parked

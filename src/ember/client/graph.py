@@ -225,7 +225,7 @@ class GraphEntry:
 class Candidate:
     """A group seen once: the next group starting with the same op is held and compared to it."""
 
-    __slots__ = ("names", "n", "ops", "dropped", "_canon", "entry")
+    __slots__ = ("names", "n", "ops", "dropped", "_canon", "entry", "split")
 
     def __init__(self, ops: list[list[Any]], dropped: set[int]) -> None:
         self.names = [msg[1] for msg in ops]
@@ -234,6 +234,8 @@ class Candidate:
         self.dropped: set[int] | None = dropped
         self._canon: Canon | None = None
         self.entry: GraphEntry | None = None
+        #: (k, first k ops, the rest) when a read split this group at op k (``GroupHolding._split_for_read``)
+        self.split: tuple[int, Candidate, Candidate] | None = None
 
     def matches(self, k: Canon) -> bool:
         """Is ``k`` (a held group) this candidate's graph? (canonicalises the candidate once)"""

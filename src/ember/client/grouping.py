@@ -137,6 +137,71 @@ class GroupHolding:
         if len(cl) > 4:
             cl.pop()
 
+    def _request_locked(self, msg: list[Any]) -> None:
+        """Queue the request ``msg`` (READ, SYNC, ...) at a boundary, after everything recorded before it; a READ
+        of a value the held group computes early goes between the group's two parts (:meth:`_split_for_read`)."""
+        if msg[0] != m.READ or self._cand is None or self.op_writes is None or not self._split_for_read(msg):
+            self._boundary_locked()
+            self._pending.append(msg)
+
+    def _split_for_read(self, msg: list[Any]) -> bool:
+        """A read of a value that the held group's last ops leave alone (``loss.item()`` after the backward and
+        the optimizer's step: they read the loss, none writes it): replay the group as two graphs, the ops up to
+        the value's last write and the rest, with the READ between them. The peer answers once the first part
+        has run and runs the rest while the caller goes on: the caller waits for the forward, not the step. A value
+        the group does not write at all is read before the group.
+
+        The same ops in the same order; only the answer overtakes the ops that cannot change it (which ops may
+        write their arguments is the frontend's ``op_writes``; an unknown one may). The first time a group
+        splits here it goes out whole, as before; from the next time on, if both parts match, split. False:
+        nothing was queued (the caller ends the group as usual)."""
+        g, c = self._grp, self._cand
+        assert c is not None and g is not None
+        if len(g) != c.n or self._poisoned:
+            return False
+        k = _final_at(g, msg[2], self.op_writes)
+        if k >= len(g):
+            return False
+        self.stats["split_reads"] += 1  # (reads that need not wait for the whole step: torch/_compile.py)
+        if not k:  # the group does not write the value: the read goes first, the group after it
+            self._pending.append(msg)
+            self._boundary_locked()
+            return True
+        a, b = g[:k], g[k:]
+        dropped = set(self._grp_drops)
+        dropped.update(self._drops)
+        used = {x for op in b for x in op[2] if type(x) is int}  # (what the rest uses stays for it)
+        ka, kb = canon(a, dropped - used, check_kws=False), canon(b, dropped, check_kws=False)
+        if ka is None or kb is None:
+            return False
+        pair = c.split
+        if pair is None or pair[0] != k or not (pair[1].matches(ka) and pair[2].matches(kb)):
+            c.split = (k, Candidate(a, dropped - used), Candidate(b, dropped))
+            return False
+        table = self._gtable
+        for half, key in ((pair[1], ka), (pair[2], kb)):
+            if half.entry is None:
+                half.entry = table.entry_for(key)
+                if half.entry is None:  # id collision with another body: not split
+                    c.split = None
+                    return False
+        self._grp, self._cand, self._grp_drops, self._timed_out = [], None, [], None
+        ea, eb = pair[1].entry, pair[2].entry
+        self._append_replay(ea, k, ka.inputs, ka.kept_ids, ea.overrides(ka.scalars))
+        p = self._pending
+        p.append(msg)
+        self._append_replay(eb, len(b), kb.inputs, kb.kept_ids, eb.overrides(kb.scalars))
+        drops = self._drops
+        if drops:
+            elide = ka.elide | kb.elide
+            ids = []
+            while drops:
+                ids.append(drops.popleft())
+            rest = [i for i in ids if i not in elide]
+            if rest:
+                p.append([m.DROP, rest])
+        return True
+
     def _queue_replay(self, c: Candidate, k: Any) -> bool:
         if self._poisoned and any(i in self._poisoned for i in k.inputs):
             return False  # sent as ops instead: they inherit the poison here (client/batch.py)
@@ -158,8 +223,8 @@ class GroupHolding:
                 p.append([m.DROP, rest])
         if len(p) >= self.max_batch:  # (every caller flushes or arms the idle timer next)
             self._flush_locked(False)
-        else:
-            self._send_now_locked()
+        else:  # sent with what the boundary adds (a read, the next step's batch upload), at the next op
+            self._send_soon = True  # (or by the idle timer): one frame and one write for them, not two
         return True
 
     def _append_replay(self, e: Any, n_ops: int, inputs: list[int], outs: list[Any], overrides: list[Any]) -> list[Any]:
@@ -207,3 +272,13 @@ class GroupHolding:
                 self._flush_locked(False)
             else:
                 self._send_now_locked()
+
+
+def _final_at(g: list[list[Any]], tid: int, writes: Any) -> int:
+    """How many of the group's ops come up to the last one that may write storage ``tid`` (its output, or
+    an argument of an op that may write its arguments): 0 when none does."""
+    for j in range(len(g) - 1, -1, -1):
+        op = g[j]
+        if tid in op[4] or tid in op[2] and writes(op[1]) is not False:
+            return j + 1
+    return 0

@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -85,7 +85,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
         self._quiet = 0        # ticks without activity
         self.lost: EmberError | None = None
         self.stats = {"ops": 0, "batches": 0, "bytes_sent": 0, "bytes_received": 0, "reads": 0,
-                      "graphs": 0, "replays": 0, "replayed_ops": 0, "graph_resends": 0,
+                      "graphs": 0, "replays": 0, "replayed_ops": 0, "graph_resends": 0, "split_reads": 0,
                       "unsendable": 0}  # messages dropped: they could not be encoded (client/batch.py)
         # op-graph caching: the current group, held or shadow-captured (None: not capturing)
         gcap = int(limits.get("graph_cache", 0))
@@ -105,6 +105,10 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
         self._hold_t0 = 0.0
         self._period = -1  # > 0: the op stream repeats every _period ops (groups end there too)
         self._misses = 0   # periods in a row that did not replay
+        self._send_soon = False  # a replayed group waits in _pending: the next op sends it (_send_now_locked)
+        #: the frontend's "may this op (by name) write an argument?" (None: unknown): where a read can split
+        #: the held group (:meth:`_request_locked`); None: reads never split groups
+        self.op_writes: Callable[[str], bool | None] | None = None
         self._gtable = GraphTable(gcap)
         self._poisoned: dict[int, EmberError] = {}  # ids whose message could not be sent: why
         self.data = m.DATA_FEATURE in codec.agreed_features(welcome.get("features"))
@@ -132,6 +136,9 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
         with self._lock:
             g = self._grp
             if msg[0] == _OP:
+                if self._send_soon:
+                    self._send_soon = False
+                    self._send_now_locked()
                 if g is not None:
                     n = len(g)
                     if n == self._period:  # the stream repeats every _period ops: a soft boundary
@@ -255,10 +262,12 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
             self._exchange([kind, req, *fields], req, t)  # (client/exchange.py)
         else:
             with self._lock:
-                self._boundary_locked()
                 if self._fan:  # the ops before go to every peer of the mesh; the request to this one only
+                    self._boundary_locked()
                     self._flush_locked(False)
-                self._pending.append([kind, req, *fields])
+                    self._pending.append([kind, req, *fields])
+                else:
+                    self._request_locked([kind, req, *fields])
                 self._flush_locked(False, fan=False)
         if progress is not None:
             try:

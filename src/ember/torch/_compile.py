@@ -236,11 +236,16 @@ class Replayer:
 
 
 def _joining(t: _Trace, session: Any) -> bool:
-    """Does this call of ``t``'s graph join the op group? Not in a loop that reads a value (``loss.item()``) about
-    every step: a held group starts on the peer only at the read, where this graph's own REPLAY starts at
-    once (the peer runs the forward while this thread runs the loss and the backward's Python). Decided on
-    a moving average with hysteresis, so that a read every few steps does not switch it back and forth."""
-    reads = session.stats.get("reads", 0)
+    """Does this call of ``t``'s graph join the op group? Not in a loop that reads a value about every step that the
+    end of the step writes (``torch.isnan(loss).item()`` after the backward): a held group starts on the peer
+    only at the read, where this graph's own REPLAY starts at once (the peer runs the forward while this thread
+    runs the loss and the backward's Python). A read of a value that the rest of the step only reads (the loss
+    after the optimizer's step) does not count: the session answers it before the rest (``_split_for_read``).
+    Decided on a moving average with hysteresis, so that a read every few steps does not switch it back and
+    forth."""
+    st = session.stats
+    reads = st.get("reads", 0) - st.get("split_reads", 0)  # (a read the peer answers before the rest of the
+    #                                                        held step, client/grouping.py, does not count)
     t.synced = 0.75 * t.synced + (0.25 if reads != t.reads else 0.0)
     t.reads = reads
     if t.synced > 0.6:

@@ -17,7 +17,7 @@ from typing import Any
 from ..client.device import Device
 from ..errors import EmberError
 from ..protocol import messages as m
-from ._schema import OpInfo
+from ._schema import WRITES, OpInfo
 from ._storage import StorageRef, live_session
 
 _OP = m.OP
@@ -61,10 +61,14 @@ def current_device() -> Device:
 
 def check_torch(dev: Device) -> None:
     kind = dev.info.get("backend")
-    if kind != "torch":
-        raise NotATorchDevice(
-            f"ember tensors need a torch device, and {dev!r} is a {kind} device ({dev.info.get('spec')})",
-            hint="serve one with `ember serve --device torch:cpu` (or torch:cuda:N) and ember.connect to it")
+    if kind == "torch":
+        s = dev.session
+        if getattr(s, "op_writes", False) is None:  # (what this frontend's ops write: a read may overtake
+            s.op_writes = WRITES.get              # the rest of its step; a mesh's sessions are not split)
+        return
+    raise NotATorchDevice(
+        f"ember tensors need a torch device, and {dev!r} is a {kind} device ({dev.info.get('spec')})",
+        hint="serve one with `ember serve --device torch:cpu` (or torch:cuda:N) and ember.connect to it")
 
 
 def device_of(refs: list[StorageRef], i: OpInfo) -> Device:

@@ -15,6 +15,11 @@ _EMPTY = frozenset({"empty", "empty_strided", "new_empty", "new_empty_strided", 
 """Ops that only allocate: their storage stays pending until first use."""
 
 
+#: wire name -> whether the overload writes any of its arguments, for every overload the client has met
+#: (``ClientSession.op_writes``: which ops a value read from a held op group may go past)
+WRITES: dict[str, bool] = {}
+
+
 class OpInfo:
     """One overload: its wire name, argument categories and the flags the dispatch path needs."""
 
@@ -32,6 +37,7 @@ class OpInfo:
         self.n_pos = sum(1 for a in schema.arguments if not a.kwarg_only)
         self.pos_cats = tuple(c for _n, c, kwonly, _d in self.args if not kwonly)  # (the fast path's walk)
         self.writes = tuple(bool(a.alias_info is not None and a.alias_info.is_write) for a in schema.arguments)
+        WRITES[self.name] = any(self.writes)
         self.inplace_view = torch.Tag.inplace_view in op.tags and base not in ("resize_", "resize_as_")
         self.seeded = torch.Tag.nondeterministic_seeded in op.tags
         self.by_value = base in _VALUE_SHAPED or not any(c in (A.TENSOR, A.TENSOR_LIST) for _, c, _, _ in self.args)

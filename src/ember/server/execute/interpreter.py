@@ -264,6 +264,10 @@ class Interpreter(GraphReplay, Holdings):
                     self._malformed(msg, out, ProtocolError(f"{m.KIND_NAMES[kind]} is not supported by this peer"))
                 else:
                     h(msg, out)
+                    if kind == m.READ and out and msg is not batch[-1]:  # work follows (a step's rest, after
+                        self.respond(out[:])  # its loss: client/grouping.py): the answer goes first
+                        out.clear()
+                        self._out_bytes = 0
             except NeedGraph as e:  # hold this REPLAY and all after it until the client re-sends the graph
                 i = next(i for i, x in enumerate(batch) if x is msg)
                 self._stalled, self._stall_gid, self._stalled_bytes = batch[i:], e.gid, 0
