@@ -106,3 +106,40 @@ def test_a_value_the_step_does_not_write_is_read_before_the_step(torch_peer: str
     got, stats = remote(torch_peer, read)
     same(loop("cpu", read), got)
     assert stats["split_reads"] >= STEPS - 4, stats
+
+
+def lm_loop(device: str, late: Callable[[Any, int], float]) -> tuple[list[float], list[Any]]:
+    """A small transformer LM trained with AdamW; ``late(loss, step)`` after the optimizer's step reads a value
+    the end of the step computes (as a Trainer's ``torch.isnan(loss)`` or a GradScaler's found-inf check)."""
+    torch.manual_seed(0)
+    model = W.TinyLM().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    batch = W.lm_batch()
+    seen: list[float] = []
+    for step in range(STEPS):
+        x, y = batch(g)
+        out = model(x.to(device))
+        if step % 7 == 6:  # (now and then a step that is not the others: it leaves the candidate midway)
+            out = out * 1.0
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.to(device).reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        seen.append(late(loss, step))
+    return seen, [p.detach().cpu() for p in model.parameters()]
+
+
+def test_a_step_whose_end_a_read_waits_for_goes_out_in_chunks(torch_peer: str) -> None:
+    """``torch.isnan(loss).item()`` after the step waits for all of it, so nothing can overtake it: from the next
+    step on the held step goes out in chunks, each a replayed graph, as it is recorded (the peer runs the forward
+    while the backward is recorded). Steps that leave their candidate midway send the rest as ops. Bit-equal to
+    local CPU torch, the values read included."""
+    def late(loss: Any, step: int) -> float:
+        return float(torch.isnan(loss).item()) + (loss * 2).item()
+    with ember.connect(torch_peer) as dev:
+        got = lm_loop("ember", late)
+        stats = dict(dev.session.stats)
+    same(lm_loop("cpu", late), got)
+    assert stats["split_reads"] == 0, stats  # (no read here could overtake anything)
+    assert stats["replays"] >= 4 * (STEPS - STEPS // 7 - 4), stats  # several chunks a step

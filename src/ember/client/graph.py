@@ -22,6 +22,12 @@ body``. Otherwise the held ops go out unchanged and the group becomes the new
 candidate. Replaying is therefore always equivalent to sending the ops: the
 same messages, with the same attributes, in the same order, only renamed.
 
+A read need not wait for the whole held group (``grouping.GroupHolding._split_for_read``): when
+the group's ops after the value's last write do not write it (the backward and the optimizer's
+step after the loss), the group replays as two graphs with the READ between them, and the peer
+answers after the first. A group that a read at its end waits for goes out in chunks, each a
+replayed graph, as it is recorded (``_chunk_locked``).
+
 The graph id is a 63-bit hash of the canonical structure (not of scalar
 values), so a graph registered in one step serves every later step whatever
 its ids and learning rate. The client checks every id it hands out against
@@ -225,7 +231,7 @@ class GraphEntry:
 class Candidate:
     """A group seen once: the next group starting with the same op is held and compared to it."""
 
-    __slots__ = ("names", "n", "ops", "dropped", "_canon", "entry", "split")
+    __slots__ = ("names", "n", "ops", "dropped", "_canon", "entry", "split", "late", "late_seen", "chunks")
 
     def __init__(self, ops: list[list[Any]], dropped: set[int]) -> None:
         self.names = [msg[1] for msg in ops]
@@ -236,6 +242,11 @@ class Candidate:
         self.entry: GraphEntry | None = None
         #: (k, first k ops, the rest) when a read split this group at op k (``GroupHolding._split_for_read``)
         self.split: tuple[int, Candidate, Candidate] | None = None
+        #: > 0: reads at this group's end wait for (nearly) all of it (``late_seen``: so many times in a row):
+        #: held, it goes out in chunks of this many ops (``GroupHolding._chunk_locked``), each a graph of its
+        #: own, kept in ``chunks`` by its first op's index
+        self.late = self.late_seen = 0
+        self.chunks: dict[int, Candidate] | None = None
 
     def matches(self, k: Canon) -> bool:
         """Is ``k`` (a held group) this candidate's graph? (canonicalises the candidate once)"""

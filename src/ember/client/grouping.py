@@ -15,6 +15,10 @@ from ..protocol import messages as m
 from .graph import Candidate, canon
 
 
+#: a held group that a read at its end waits for goes out in about CHUNKS chunks of at least CHUNK_MIN ops
+CHUNKS, CHUNK_MIN = 8, 16
+
+
 class GroupHolding:
     """Holding and replaying recurring op groups (a mixin of ClientSession, under its lock)."""
     def _boundary_locked(self) -> None:
@@ -78,11 +82,39 @@ class GroupHolding:
                 return
 
     def _release_held(self) -> None:
-        """The held group diverged from its candidate (or was held too long): send its ops as they are."""
+        """The held group diverged from its candidate (or was held too long): send its ops as they are (those
+        not sent in chunks already)."""
         self._cand = None
         g = self._grp
         assert g is not None
-        self._spill(g)
+        start, self._cstart = self._cstart, 0
+        self._spill(g[start:] if start else g)
+
+    def _chunk_locked(self, g: list[list[Any]]) -> None:
+        """The held group follows a candidate that a read at its end waits for (``Candidate.late``): its ops
+        recorded since the last chunk go out now, as a graph of their own when they match the chunk seen there
+        last time (else as they are), so that the peer runs them while the rest is recorded. A chunk keeps the
+        results that nothing released yet (they may be used later); those released later are dropped by the
+        replay that consumes them, or by a DROP."""
+        c = self._cand
+        assert c is not None
+        start, n = self._cstart, len(g)
+        self._cstart = n
+        self._queue_chunk(c, start, g[start:])
+        self._hold_t0 = time.monotonic()  # (what is held now is recorded since this chunk)
+
+    def _queue_chunk(self, c: Candidate, start: int, ops: list[list[Any]]) -> None:
+        dropped = set(self._grp_drops)
+        dropped.update(self._drops)
+        k = canon(ops, dropped, check_kws=False)
+        chunks = c.chunks
+        if chunks is None:
+            chunks = c.chunks = {}
+        cc = chunks.get(start)
+        if k is not None and cc is not None and cc.n == len(ops) and cc.matches(k) and self._queue_replay(cc, k):
+            return
+        chunks[start] = Candidate(ops, dropped)
+        self._spill(ops)
 
     def _spill(self, ops: list[list[Any]]) -> None:
         """Queue held ops, in batches of at most ``max_batch`` (a group may be longer than a batch)."""
@@ -105,6 +137,16 @@ class GroupHolding:
         g, c, gdrops = self._grp, self._cand, self._grp_drops
         self._grp, self._cand, self._grp_drops = [], None, []
         timed_out, self._timed_out = self._timed_out, None
+        if c is not None and not self._at_read:  # (ended by an upload, a flush...: no read waited for it)
+            c.late = c.late_seen = 0
+        start, self._cstart = self._cstart, 0
+        if start:  # the held group went out in chunks: its last one now (as ops if it ended early)
+            assert c is not None and g is not None
+            if len(g) == c.n:
+                self._queue_chunk(c, start, g[start:])
+            else:
+                self._spill(g[start:])
+            return
         if not g:
             return
         if len(g) < self._g_min:
@@ -141,7 +183,11 @@ class GroupHolding:
         """Queue the request ``msg`` (READ, SYNC, ...) at a boundary, after everything recorded before it; a READ
         of a value the held group computes early goes between the group's two parts (:meth:`_split_for_read`)."""
         if msg[0] != m.READ or self._cand is None or self.op_writes is None or not self._split_for_read(msg):
-            self._boundary_locked()
+            self._at_read = True  # (the held group ends at a read: _end_group keeps what _split_for_read learned)
+            try:
+                self._boundary_locked()
+            finally:
+                self._at_read = False
             self._pending.append(msg)
 
     def _split_for_read(self, msg: list[Any]) -> bool:
@@ -160,7 +206,13 @@ class GroupHolding:
         if len(g) != c.n or self._poisoned:
             return False
         k = _final_at(g, msg[2], self.op_writes)
-        if k >= len(g):
+        if 4 * k > 3 * len(g):  # the read waits for (nearly) all of the group: the second time in a row, the
+            c.late_seen += 1  # group goes out in chunks as it is recorded from then on (_chunk_locked)
+            if c.late_seen >= 2 and not c.late:
+                c.late = max(CHUNK_MIN, len(g) // CHUNKS)
+        else:
+            c.late = c.late_seen = 0
+        if k >= len(g) or self._cstart:
             return False
         self.stats["split_reads"] += 1  # (reads that need not wait for the whole step: torch/_compile.py)
         if not k:  # the group does not write the value: the read goes first, the group after it

@@ -106,6 +106,8 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
         self._period = -1  # > 0: the op stream repeats every _period ops (groups end there too)
         self._misses = 0   # periods in a row that did not replay
         self._send_soon = False  # a replayed group waits in _pending: the next op sends it (_send_now_locked)
+        self._cstart = 0  # the held group's ops before this index went out in chunks (_chunk_locked)
+        self._at_read = False  # the boundary being made is a read's (_request_locked)
         #: the frontend's "may this op (by name) write an argument?" (None: unknown): where a read can split
         #: the held group (:meth:`_request_locked`); None: reads never split groups
         self.op_writes: Callable[[str], bool | None] | None = None
@@ -149,6 +151,9 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
                     if c is not None:  # holding: does the group still follow a candidate?
                         if n < c.n and msg[1] == c.names[n] or self._switch_candidate(n, msg[1]):
                             g.append(msg)
+                            late = self._cand.late  # (a chunk of it goes out now: client/grouping.py)
+                            if late and n + 1 - self._cstart >= late:
+                                self._chunk_locked(g)
                             return
                         self._release_held()
                     elif not n:  # first op of a group
