@@ -94,18 +94,22 @@ BIG = dict(model=lambda: W.MLP(1024, 2048, 10), opt="SGD", opt_args={"lr": 1e-3}
            batch=lambda g: W.classification_batch(g, 512, (1024,), 10))
 
 
+#: the timed loops read the loss every so many steps (``--read-every``; 10: as a training loop logs)
+READ_EVERY = [10]
+
+
 def step_time(kw: dict[str, Any], device: str, steps: int) -> float:
-    """Seconds per step of a warm loop (the loss read every 10 steps, as a training loop logs)."""
+    """Seconds per step of a warm loop (the loss read every ``READ_EVERY`` steps, as a training loop logs)."""
     W.train(device=device, steps=3, **kw)
     t0 = time.perf_counter()
-    W.train(device=device, steps=steps, read_every=10, **kw)
+    W.train(device=device, steps=steps, read_every=READ_EVERY[0], **kw)
     return (time.perf_counter() - t0) / steps
 
 
 def compiled_step_time(kw: dict[str, Any], steps: int, backend: str = "ember", device: str = "ember") -> float:
     """Seconds per step of W.train's loop with the model under ``torch.compile(backend=...)`` on ``device``
     (the current Ember device, or local CPU torch with inductor as the baseline; compiled and warmed before the
-    clock starts; the loss read every 10 steps)."""
+    clock starts; the loss read every ``READ_EVERY`` steps)."""
     torch.manual_seed(0)
     m = kw["model"]().to(device)
     run = torch.compile(m, backend=backend)
@@ -129,7 +133,7 @@ def compiled_step_time(kw: dict[str, Any], steps: int, backend: str = "ember", d
     t0 = time.perf_counter()
     for k in range(steps):
         loss = step()
-        if k % 10 == 9:
+        if k % READ_EVERY[0] == READ_EVERY[0] - 1:
             loss.item()
     loss.item()
     dt = (time.perf_counter() - t0) / steps
@@ -169,7 +173,7 @@ def wait_peer_compiles(step: Callable[[], Any], timeout: float = 600.0) -> None:
 def captured_step_time(kw: dict[str, Any], steps: int, per_step: dict[str, float] | None = None) -> float:
     """Seconds per step of W.train's loop as one ``ember.torch.capture``d step (forward, backward and
     optimizer; Adam/AdamW with ``fused=True`` so the step count and bias corrections stay on the peer), the batch
-    uploaded every step outside it, the loss read every 10 steps; captured before the clock starts."""
+    uploaded every step outside it, the loss read every ``READ_EVERY`` steps; captured before the clock starts."""
     torch.manual_seed(0)
     m = kw["model"]().to("ember")
     extra = {"fused": True} if kw["opt"] in ("Adam", "AdamW") else {}
@@ -196,7 +200,7 @@ def captured_step_time(kw: dict[str, Any], steps: int, per_step: dict[str, float
     t0, c0 = time.perf_counter(), time.process_time()
     for k in range(steps):
         loss = step()
-        if k % 10 == 9:
+        if k % READ_EVERY[0] == READ_EVERY[0] - 1:
             loss.item()
     loss.item()
     dt = (time.perf_counter() - t0) / steps
@@ -392,6 +396,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--only", default="mlp,transformer,cpu,big,roundtrip",
                     help="comma-separated figures: " + ",".join([*WORKLOADS, "cpu", "big", "roundtrip", "generate"]))
     ap.add_argument("--samples", type=int, default=2000, help="round trips per latency figure")
+    ap.add_argument("--read-every", type=int, default=10,
+                    help="the timed training loops read the loss every N steps (1: every step)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--modes", default="eager,compile,peercompile,capture",
                     help="remote step modes besides eager on every transport: compile (torch.compile(backend="
@@ -399,13 +405,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "a session that asks, connect(compile=True), of a peer started with --compile; timed once "
                          "the peer's compiles are done), capture (ember.torch.capture over TCP)")
     a = ap.parse_args(argv)
+    READ_EVERY[0] = max(1, a.read_every)
     modes = set(a.modes.split(","))
     only = set(a.only.split(","))
     torch.set_num_threads(1)
     if (os.cpu_count() or 1) >= 2:
         os.sched_setaffinity(0, {0})
     proc, addrs = start_peer()
-    report: dict[str, Any] = {"torch": torch.__version__, "steps": a.steps, "repeat": a.repeat, "figures": {}}
+    report: dict[str, Any] = {"torch": torch.__version__, "steps": a.steps, "repeat": a.repeat,
+                              "read_every": READ_EVERY[0], "figures": {}}
     try:
         devs = {"memory": ember.torch.current_device()}
         for t in a.transports.split(","):
@@ -541,8 +549,9 @@ def format_report(r: dict[str, Any]) -> str:
             f"{k} {fig[k]['steps_per_s']} ({fig[k]['vs_local']}x local)" for k in cols))
         cp = fig.get("capture_per_step")
         if cp:
+            every = r.get("read_every", 10)
             lines.append(f"  {'':12s} captured step: {cp['messages']} messages, {cp['client_cpu_us']} µs client CPU "
-                         f"(batch upload and loss read every 10 steps included; the replay alone "
+                         f"(batch upload and loss read every {every} steps included; the replay alone "
                          f"{cp.get('replay_call_us')} µs in the calling thread, {cp.get('replay_cpu_us')} µs "
                          f"with the I/O thread's send), {cp['replayed']} replays per step")
         c = fig.get("cpu_per_step")
