@@ -79,7 +79,7 @@ class Exchanging:
                     return
             else:
                 st = s.stats
-                work = st["ops"] + st["replayed_ops"]  # messages and replayed ops sent so far
+                work = st["ops"] + st["replayed_ops"] - s._after_read  # messages and replayed ops sent before it
                 self._exchanging.add(req)
                 try:
                     calm.write(frame)  # in order: the sender is idle and we hold its lock

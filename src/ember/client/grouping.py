@@ -182,6 +182,7 @@ class GroupHolding:
     def _request_locked(self, msg: list[Any]) -> None:
         """Queue the request ``msg`` (READ, SYNC, ...) at a boundary, after everything recorded before it; a READ
         of a value the held group computes early goes between the group's two parts (:meth:`_split_for_read`)."""
+        self._after_read = 0
         if msg[0] != m.READ or self._cand is None or self.op_writes is None or not self._split_for_read(msg):
             self._at_read = True  # (the held group ends at a read: _end_group keeps what _split_for_read learned)
             try:
@@ -243,6 +244,7 @@ class GroupHolding:
         p = self._pending
         p.append(msg)
         self._append_replay(eb, len(b), kb.inputs, kb.kept_ids, eb.overrides(kb.scalars))
+        self._after_read = len(b) + 2  # (the work sent after the read: client/exchange.py's estimate of its wait)
         drops = self._drops
         if drops:
             elide = ka.elide | kb.elide

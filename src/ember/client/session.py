@@ -108,6 +108,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
         self._send_soon = False  # a replayed group waits in _pending: the next op sends it (_send_now_locked)
         self._cstart = 0  # the held group's ops before this index went out in chunks (_chunk_locked)
         self._at_read = False  # the boundary being made is a read's (_request_locked)
+        self._after_read = 0  # work (messages, replayed ops) the last request's batch holds after it
         #: the frontend's "may this op (by name) write an argument?" (None: unknown): where a read can split
         #: the held group (:meth:`_request_locked`); None: reads never split groups
         self.op_writes: Callable[[str], bool | None] | None = None
