@@ -153,21 +153,27 @@ def settle_peer_compiles(timeout: float = 600.0) -> None:
 
 def wait_peer_compiles(step: Callable[[], Any], timeout: float = 600.0) -> None:
     """Run ``step`` until the peer has compiled every graph it was asked to (its session STATS say none is
-    pending), so the clock times compiled replays; the compile itself is reported apart (not in steps/s)."""
+    pending), so the clock times compiled replays; the compile itself is reported apart (not in steps/s). Steps
+    go as in the timed loop, the loss read every ``READ_EVERY``: a step that reads it replays other graphs than
+    one that does not (split at the read: client/grouping.py), and each is compiled apart."""
     dev = ember.torch.current_device()
     deadline = time.monotonic() + timeout
     last = -1
+
+    def rounds() -> None:  # (the loss kept until the next step's, as there: that decides the graphs too)
+        loss = None
+        for _ in range(READ_EVERY[0]):
+            loss = step()
+        loss.item()
     while time.monotonic() < deadline:
-        step().item()
+        rounds()
         states = dev.stats()["peer"]["session"].get("compiled_graphs") or {}
         done = states.get("ready", 0) + states.get("failed", 0)
         if done and not states.get("pending", 0) and done == last:  # (and a whole step asked for no new one)
             break
         last = done
         time.sleep(0.5)
-    for _ in range(3):
-        step()
-    step().item()
+    rounds()
 
 
 def captured_step_time(kw: dict[str, Any], steps: int, per_step: dict[str, float] | None = None) -> float:
