@@ -43,11 +43,12 @@ from ember.torch import workloads as W
 os.environ.setdefault("EMBER_OFFLINE", "1")
 
 
-def start_peer() -> tuple[subprocess.Popen, dict[str, str]]:
+def start_peer(compile: bool = False) -> tuple[subprocess.Popen, dict[str, str]]:
+    """An ``ember serve`` process on loopback (``compile``: with ``--compile``, for the +peer rows: a peer of their
+    own, so that inductor's compile workers and what they leave behind share no process with the other rows')."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "EMBER_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "ember.cli", "serve", "--device", "torch:cpu", "--websocket", "127.0.0.1:0",
-           "--tcp", "127.0.0.1:0", "--offline", "--bind", "127.0.0.1:0",
-           "--compile"]  # (compiled graphs only for sessions that ask: the +peer rows' connect(compile=True))
+           "--tcp", "127.0.0.1:0", "--offline", "--bind", "127.0.0.1:0", *(["--compile"] if compile else [])]
     if (os.cpu_count() or 1) >= 2:  # the peer on a core of its own, as on a server: it polls hot as there
         cmd = ["taskset", "-c", "1", *cmd, "--spin-us", os.environ.get("EMBER_SPIN_US", "300")]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -418,6 +419,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if (os.cpu_count() or 1) >= 2:
         os.sched_setaffinity(0, {0})
     proc, addrs = start_peer()
+    cproc = None  # the +peer rows' peer
     report: dict[str, Any] = {"torch": torch.__version__, "steps": a.steps, "repeat": a.repeat,
                               "read_every": READ_EVERY[0], "figures": {}}
     try:
@@ -428,7 +430,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         pd = None  # torch.compile(backend="ember") with the peer compiling the graphs: a session that asks
         wire_t = [t for t in ("tcp", "websocket") if t in a.transports.split(",") and t in addrs]
         if "peercompile" in modes and wire_t:
-            pd = ember.connect(addrs[wire_t[0]], compile=True)
+            cproc, caddrs = start_peer(compile=True)
+            pd = ember.connect(caddrs[wire_t[0]], compile=True)
         if "roundtrip" in only:
             report["figures"]["round_trip"] = round_trips(devs, a.samples)
         for name, kw in WORKLOADS.items():
@@ -478,8 +481,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                               "remote_over_local": round(big["remote"] / big["local"], 3),
                                               "transport": remote.address.split(":")[0]}
     finally:
-        proc.terminate()
-        proc.wait(10)
+        for p in (proc, cproc):
+            if p is not None:
+                p.terminate()
+                p.wait(10)
     print(format_report(report))
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"torch-{time.strftime('%Y%m%d-%H%M%S')}.json")
