@@ -265,9 +265,7 @@ class Interpreter(GraphReplay, Holdings):
                 else:
                     h(msg, out)
                     if kind == m.READ and out and msg is not batch[-1]:  # work follows (a step's rest, after
-                        self.respond(out[:])  # its loss: client/grouping.py): the answer goes first
-                        out.clear()
-                        self._out_bytes = 0
+                        self._answer_now(out)  # its loss: client/grouping.py): the answer goes first
             except NeedGraph as e:  # hold this REPLAY and all after it until the client re-sends the graph
                 i = next(i for i, x in enumerate(batch) if x is msg)
                 self._stalled, self._stall_gid, self._stalled_bytes = batch[i:], e.gid, 0
@@ -534,16 +532,12 @@ class Interpreter(GraphReplay, Holdings):
             total, chunk = len(flat), self.limits["chunk"]
             if self.data_frames and total > m.INLINE_DATA:  # data frames: views of the array, no copies
                 if out:
-                    self.respond(out[:])  # keep order: earlier answers first
-                    out.clear()
-                    self._out_bytes = 0
+                    self._answer_now(out)  # keep order: earlier answers first
                 self.respond([[req, m.OK, [dt, shape, 0, None, total]]], flat, staging)  # a copy stays counted
                 return
             if total <= chunk:
                 return self._answer_read(req, dt, shape, flat, out)
-            self.respond(out[:])  # keep order: earlier answers first
-            out.clear()
-            self._out_bytes = 0
+            self._answer_now(out)  # keep order: earlier answers first
             for off in range(0, total - chunk, chunk):
                 self.respond([[req, m.CHUNK, [off, flat[off:off + chunk], total]]])
             last = ((total - 1) // chunk) * chunk
@@ -556,9 +550,13 @@ class Interpreter(GraphReplay, Holdings):
         out.append([req, m.OK, [dt, shape, 0, flat, len(flat)]])
         self._out_bytes += len(flat)
         if self._out_bytes > self.limits["chunk"]:  # many reads in one batch: answer in frames of about a chunk
-            self.respond(out[:])
-            out.clear()
-            self._out_bytes = 0
+            self._answer_now(out)
+
+    def _answer_now(self, out: list[list[Any]]) -> None:
+        """Send the answers gathered so far, before the rest of the batch runs."""
+        self.respond(out[:])
+        out.clear()
+        self._out_bytes = 0
 
     def shape(self, msg: list[Any], out: list[list[Any]]) -> None:
         _, req, tid = msg
