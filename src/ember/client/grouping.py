@@ -249,15 +249,8 @@ class GroupHolding:
         p.append(msg)
         self._append_replay(eb, len(b), kb.inputs, kb.kept_ids, eb.overrides(kb.scalars))
         self._after_read = len(b) + 2  # (the work sent after the read: client/exchange.py's estimate of its wait)
-        drops = self._drops
-        if drops:
-            elide = ka.elide | kb.elide
-            ids = []
-            while drops:
-                ids.append(drops.popleft())
-            rest = [i for i in ids if i not in elide]
-            if rest:
-                p.append([m.DROP, rest])
+        if self._drops:
+            self._drops_after(p, ka.elide | kb.elide)
         return True
 
     def _queue_replay(self, c: Candidate, k: Any) -> bool:
@@ -270,20 +263,24 @@ class GroupHolding:
             if e is None:  # id collision with another body: this group is not cached
                 return False
         p = self._append_replay(e, c.n, k.inputs, k.kept_ids, e.overrides(k.scalars))
-        elide = k.elide
-        if elide:  # temporaries never exist on the peer; consumed inputs are dropped by the replay
-            drops = self._drops
-            ids = []
-            while drops:
-                ids.append(drops.popleft())
-            rest = [i for i in ids if i not in elide]
-            if rest:
-                p.append([m.DROP, rest])
+        if k.elide:
+            self._drops_after(p, k.elide)
         if len(p) >= self.max_batch:  # (every caller flushes or arms the idle timer next)
             self._flush_locked(False)
         else:  # sent with what the boundary adds (a read, the next step's batch upload), at the next op
             self._send_soon = True  # (or by the idle timer): one frame and one write for them, not two
         return True
+
+    def _drops_after(self, p: list[list[Any]], elide: set[int]) -> None:
+        """The releases recorded so far, as a DROP after a replay, less what the replay elides (temporaries never
+        exist on the peer; consumed inputs are dropped by the replay itself)."""
+        drops = self._drops
+        ids = []
+        while drops:
+            ids.append(drops.popleft())
+        rest = [i for i in ids if i not in elide]
+        if rest:
+            p.append([m.DROP, rest])
 
     def _append_replay(self, e: Any, n_ops: int, inputs: list[int], outs: list[Any], overrides: list[Any]) -> list[Any]:
         """Append a REPLAY of graph entry ``e`` to the pending batch (its GRAPH first when the peer's cache
