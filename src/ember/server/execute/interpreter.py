@@ -14,14 +14,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...errors import LimitExceeded, ProtocolError, RemoteExecutionError, to_wire
+from ...errors import LimitExceeded, ProtocolError, to_wire
 from ...protocol import codec, ops
 from ...protocol import messages as m
 from ...protocol.codec import safe_repr
 from ..guard.limits import ClientLimits
-from ..guard.memory import DeviceMemory, SessionMemory, footprint_for, host_copy_bytes
+from ..guard.memory import DeviceMemory, SessionMemory, footprint_for
 from ..telemetry.probe import OFF
 from .adapters import adapt
+from .answers import Answers
 from .backends import Backend, UnknownOp
 from .confine import REFUSED_KWARGS, confine, kwargs_fault, scalar_fault
 from .graph_cache import MAX_CACHE_BYTES, GraphCache
@@ -98,13 +99,7 @@ def _unbounded() -> SessionMemory:
     return DeviceMemory(None, "unbounded").session(None, "interpreter")
 
 
-#: NumPy dtype -> its name (``dtype.name`` costs microseconds on every read).
-_DTYPE_NAMES: dict[Any, str] = {np.dtype(n): n for n in (
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
-    "float64", "complex64", "complex128")}
-
-
-class Interpreter(GraphReplay, Holdings):
+class Interpreter(GraphReplay, Holdings, Answers):
     """State and execution of one session (runs on the session's worker thread)."""
 
     def __init__(self, backend: Backend, table: dict[str, Callable[..., Any]],
@@ -507,74 +502,6 @@ class Interpreter(GraphReplay, Holdings):
         if (entry[1], entry[2], entry[3]) != (dtype, shape, total):
             return None
         return memoryview(entry[0])[offset:offset + n]
-
-    def read(self, msg: list[Any], out: list[list[Any]]) -> None:
-        _, req, tid = msg
-        v = self._value(tid, req, out)
-        if v is None:
-            return
-        small = self._small_bytes
-        flat = small(v) if small is not None else None
-        if flat is not None:  # what the general way below answers for it, with fewer steps
-            return self._answer_read(req, "uint8", [len(flat)], flat, out)
-        staging = host_copy_bytes(self.backend.kind, v)
-        if staging:  # the host copy is charged before it is made
-            try:
-                self.mem.charge(staging, lambda: f"reading tensor {tid} ({describe([v])}) through a host copy")
-            except LimitExceeded as e:
-                out.append([req, m.ERROR, to_wire(e)])
-                return
-        try:
-            host = self.backend.to_host(v)
-            hd = host.dtype
-            dt, shape = _DTYPE_NAMES.get(hd) or hd.name, list(host.shape)  # (dtype.name is slow)
-            flat = memoryview(host.reshape(-1).view(np.uint8))
-            total, chunk = len(flat), self.limits["chunk"]
-            if self.data_frames and total > m.INLINE_DATA:  # data frames: views of the array, no copies
-                if out:
-                    self._answer_now(out)  # keep order: earlier answers first
-                self.respond([[req, m.OK, [dt, shape, 0, None, total]]], flat, staging)  # a copy stays counted
-                return
-            if total <= chunk:
-                return self._answer_read(req, dt, shape, flat, out)
-            self._answer_now(out)  # keep order: earlier answers first
-            for off in range(0, total - chunk, chunk):
-                self.respond([[req, m.CHUNK, [off, flat[off:off + chunk], total]]])
-            last = ((total - 1) // chunk) * chunk
-            self.respond([[req, m.OK, [dt, shape, last, flat[last:], total]]])
-        finally:
-            self.mem.release(staging)
-
-    def _answer_read(self, req: int, dt: str, shape: list[int], flat: bytes | memoryview, out: list[list[Any]]) -> None:
-        """A read's answer of at most a chunk, in the batch's answers."""
-        out.append([req, m.OK, [dt, shape, 0, flat, len(flat)]])
-        self._out_bytes += len(flat)
-        if self._out_bytes > self.limits["chunk"]:  # many reads in one batch: answer in frames of about a chunk
-            self._answer_now(out)
-
-    def _answer_now(self, out: list[list[Any]]) -> None:
-        """Send the answers gathered so far, before the rest of the batch runs."""
-        self.respond(out[:])
-        out.clear()
-        self._out_bytes = 0
-
-    def shape(self, msg: list[Any], out: list[list[Any]]) -> None:
-        _, req, tid = msg
-        v = self._value(tid, req, out)
-        if v is not None:
-            out.append([req, m.OK, [list(v.shape), str(v.dtype).rsplit(".", 1)[-1]]])
-
-    def _value(self, tid: int, req: int, out: list[list[Any]]) -> Any:
-        v = self.tensors.get(tid)
-        if v is None:
-            p = self.poison.get(tid)
-            err = p.error if p else to_wire(RemoteExecutionError(
-                f"tensor {tid} is unknown to this session (dropped, or never created)"))
-            out.append([req, m.ERROR, err])
-        return v
-
-    def sync(self, msg: list[Any], out: list[list[Any]]) -> None:
-        out.append([msg[1], m.OK, None])
 
     def drop(self, msg: list[Any], out: list[list[Any]]) -> None:
         forget, uploads = self.forget, self._uploads
