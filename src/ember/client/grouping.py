@@ -103,9 +103,15 @@ class GroupHolding:
         self._queue_chunk(c, start, g[start:])
         self._hold_t0 = time.monotonic()  # (what is held now is recorded since this chunk)
 
-    def _queue_chunk(self, c: Candidate, start: int, ops: list[list[Any]]) -> None:
-        dropped = set(self._grp_drops)
+    def _released(self, gdrops: list[int]) -> set[int]:
+        """The ids the user released while the group was recorded: those already sent (``gdrops``) and those
+        waiting for the next batch."""
+        dropped = set(gdrops)
         dropped.update(self._drops)
+        return dropped
+
+    def _queue_chunk(self, c: Candidate, start: int, ops: list[list[Any]]) -> None:
+        dropped = self._released(self._grp_drops)
         k = canon(ops, dropped, check_kws=False)
         chunks = c.chunks
         if chunks is None:
@@ -153,8 +159,7 @@ class GroupHolding:
             if c is not None:
                 self._spill(g)
             return
-        dropped = set(gdrops)
-        dropped.update(self._drops)
+        dropped = self._released(gdrops)
         first = g[0][1]
         cl = self._cands.get(first)
         if timed_out is not None and c is None and len(g) == timed_out.n:
@@ -225,8 +230,7 @@ class GroupHolding:
             self._boundary_locked()
             return True
         a, b = g[:k], g[k:]
-        dropped = set(self._grp_drops)
-        dropped.update(self._drops)
+        dropped = self._released(self._grp_drops)
         used = {x for op in b for x in op[2] if type(x) is int}  # (what the rest uses stays for it)
         ka, kb = canon(a, dropped - used, check_kws=False), canon(b, dropped, check_kws=False)
         if ka is None or kb is None:
@@ -235,15 +239,11 @@ class GroupHolding:
         if pair is None or pair[0] != k or not (pair[1].matches(ka) and pair[2].matches(kb)):
             c.split = (k, Candidate(a, dropped - used), Candidate(b, dropped))
             return False
-        table = self._gtable
-        for half, key in ((pair[1], ka), (pair[2], kb)):
-            if half.entry is None:
-                half.entry = table.entry_for(key)
-                if half.entry is None:  # id collision with another body: not split
-                    c.split = None
-                    return False
+        ea, eb = self._entry(pair[1], ka), self._entry(pair[2], kb)
+        if ea is None or eb is None:  # id collision with another body: not split
+            c.split = None
+            return False
         self._grp, self._cand, self._grp_drops, self._timed_out = [], None, [], None
-        ea, eb = pair[1].entry, pair[2].entry
         self._append_replay(ea, k, ka.inputs, ka.kept_ids, ea.overrides(ka.scalars))
         p = self._pending
         p.append(msg)
@@ -256,12 +256,9 @@ class GroupHolding:
     def _queue_replay(self, c: Candidate, k: Any) -> bool:
         if self._poisoned and any(i in self._poisoned for i in k.inputs):
             return False  # sent as ops instead: they inherit the poison here (client/batch.py)
-        table = self._gtable
-        e = c.entry
-        if e is None:
-            e = c.entry = table.entry_for(k)
-            if e is None:  # id collision with another body: this group is not cached
-                return False
+        e = self._entry(c, k)
+        if e is None:  # id collision with another body: this group is not cached
+            return False
         p = self._append_replay(e, c.n, k.inputs, k.kept_ids, e.overrides(k.scalars))
         if k.elide:
             self._drops_after(p, k.elide)
@@ -270,6 +267,13 @@ class GroupHolding:
         else:  # sent with what the boundary adds (a read, the next step's batch upload), at the next op
             self._send_soon = True  # (or by the idle timer): one frame and one write for them, not two
         return True
+
+    def _entry(self, c: Candidate, k: Any) -> Any:
+        """The graph entry of candidate ``c`` (registered from ``k``, its canonical form, the first time); None
+        when its id collides with another body's."""
+        if c.entry is None:
+            c.entry = self._gtable.entry_for(k)
+        return c.entry
 
     def _drops_after(self, p: list[list[Any]], elide: set[int]) -> None:
         """The releases recorded so far, as a DROP after a replay, less what the replay elides (temporaries never
