@@ -28,6 +28,13 @@ step after the loss), the group replays as two graphs with the READ between them
 answers after the first. A group that a read at its end waits for goes out in chunks, each a
 replayed graph, as it is recorded (``_chunk_locked``).
 
+A loop that slices a tensor held on the peer at a moving position (``x = data[i:i+n]``) makes groups
+that differ only in the offset of an input's layout (a view's offset is in the next op's ``"l"``). When the
+peer takes moving layouts (feature ``"offsets"``), two such groups match in their *moved* form
+(:meth:`Canon.moved`: every input layout's offset a value, not structure): the graph is registered with
+those layouts moving and each REPLAY sends the offsets that differ from the registered ones; the peer
+checks each against its storage at every replay.
+
 The graph id is a 63-bit hash of the canonical structure (not of scalar
 values), so a graph registered in one step serves every later step whatever
 its ids and learning rate. The client checks every id it hands out against
@@ -67,7 +74,7 @@ class Canon:
     """
 
     __slots__ = ("shape", "kws", "types", "kept", "consumed", "scalars", "inputs", "kept_ids", "elide",
-                 "n_slots", "_kwb")
+                 "n_slots", "_kwb", "movable", "moving", "offsets", "raw_kws", "_moved")
 
     def __init__(self, shape: list[list[Any]], kws: list[Any], scalars: list[Any], kept: list[int],
                  consumed: list[int], inputs: list[int], kept_ids: list[int] | int, elide: set[int],
@@ -83,6 +90,12 @@ class Canon:
         self.elide = elide
         self.n_slots = n_slots
         self._kwb: bytes | None = None
+        self.movable = False  # the peer takes moving layouts (feature "offsets"): :meth:`moved` may be tried
+        #: a moved form's flat [op, operand, ...] of the inputs' layouts whose offsets are values, not structure
+        self.moving: list[int] | None = None
+        self.offsets: list[int] = []  # their offsets in this group
+        self.raw_kws = kws  # the keyword arguments with those offsets in place (what a GRAPH carries)
+        self._moved: Canon | None = None
 
     def kw_bytes(self) -> bytes:
         if self._kwb is None:
@@ -90,8 +103,7 @@ class Canon:
         return self._kwb
 
     def same(self, other: "Canon") -> bool:
-        if not (self.shape == other.shape and self.types == other.types and self.kept == other.kept
-                and self.consumed == other.consumed):
+        if not self.same_frame(other):
             return False
         if all(map(operator.is_, self.kws, other.kws)):  # the very objects (a cached plan's keyword arguments):
             return self._kwb is not None or other._kwb is not None  # encoded alike, and one side was shown encodable
@@ -99,6 +111,53 @@ class Canon:
             return self.kw_bytes() == other.kw_bytes()
         except Exception:  # noqa: BLE001 - a value the protocol cannot carry: not this graph
             return False
+
+    def same_frame(self, other: "Canon") -> bool:
+        """The same ops on the same registers (keyword arguments aside)."""
+        return self.shape == other.shape and self.types == other.types and self.kept == other.kept \
+            and self.consumed == other.consumed
+
+    def moved(self) -> "Canon | None":
+        """This group with the offsets of its inputs' layouts as values (GRAPH's ``moving``): a loop that reads a
+        tensor on the peer through a view at a moving position (``data[i:i+n]``) is one graph. None when no ATen
+        op reads an input through a layout. Every input layout moves, whatever its offset, so that two groups'
+        moved forms compare alike; a REPLAY sends the offsets that differ from the registered ones."""
+        if self._moved is not None or self.moving is not None:
+            return self._moved if self.moving is None else self
+        kws = list(self.kws)
+        moving: list[int] = []
+        offsets: list[int] = []
+        for i, (_, smask, refs, _) in enumerate(self.shape):
+            kw = kws[i]
+            if smask != 1 or type(kw) is not dict:
+                continue
+            lays = kw.get("l")
+            if type(lays) is not list or len(lays) != len(refs) - 1:
+                continue
+            masked = None
+            for t, lay in enumerate(lays):
+                r = refs[t + 1]
+                if r is not None and r < 0 and type(lay) is list and len(lay) == 4 and type(lay[2]) is int:
+                    if masked is None:
+                        masked = list(lays)
+                    masked[t] = [lay[0], lay[1], None, lay[3]]
+                    moving += (i, t)
+                    offsets.append(lay[2])
+            if masked is not None:
+                kw = dict(kw)
+                kw["l"] = masked
+                kws[i] = kw
+        if not moving:
+            return None
+        c = Canon(self.shape, kws, self.scalars, self.kept, self.consumed, self.inputs, self.kept_ids, self.elide,
+                  self.n_slots)
+        c.movable, c.moving, c.offsets, c.raw_kws = True, moving, offsets, self.kws
+        self._moved = c
+        return c
+
+    def take(self, c: "Canon") -> None:
+        """Become ``c``, this group's moved form (matched as such: registered and replayed so)."""
+        self.kws, self._kwb, self.moving, self.offsets, self.raw_kws = c.kws, c._kwb, c.moving, c.offsets, c.raw_kws
 
     @property
     def n_in(self) -> int:
@@ -114,7 +173,7 @@ class Canon:
         base = n_in + n_s
         body = []
         j = n_in
-        for (name, _smask, refs, nouts), kw in zip(self.shape, self.kws):
+        for (name, _smask, refs, nouts), kw in zip(self.shape, self.raw_kws):
             regs = []
             for r in refs:
                 if r is None:
@@ -209,7 +268,7 @@ def graph_id(key: bytes) -> int:
 class GraphEntry:
     """A graph this client registered (or will): its id, structure and wire body."""
 
-    __slots__ = ("gid", "key", "defaults", "wire")
+    __slots__ = ("gid", "key", "defaults", "wire", "offsets")
 
     def __init__(self, gid: int, key: bytes, c: Canon) -> None:
         self.gid = gid
@@ -217,12 +276,28 @@ class GraphEntry:
         self.defaults = c.scalars
         body, kept = c.wire_body()
         self.wire = [m.GRAPH, gid, c.n_in, c.scalars, body, kept, c.consumed]
+        self.offsets = c.offsets  # (moving layouts: their offsets as registered)
+        if c.moving is not None:
+            self.wire.append(c.moving)
 
     def overrides(self, scalars: list[Any]) -> list[Any]:
         """``[index, value, ...]`` for every scalar that differs (in value or type) from the registered one."""
         out: list[Any] = []
         for i, (v, d) in enumerate(zip(scalars, self.defaults)):
             if v != d or type(v) is not type(d):
+                out.append(i)
+                out.append(v)
+        return out
+
+
+    def moved(self, offsets: list[int]) -> list[int] | None:
+        """A REPLAY's ``offsets`` (``[index, offset, ...]`` for each that differs from the registered one), or
+        None for a graph that moves no layout."""
+        if not self.offsets:
+            return None
+        out: list[int] = []
+        for i, (v, d) in enumerate(zip(offsets, self.offsets)):
+            if v != d:
                 out.append(i)
                 out.append(v)
         return out
@@ -249,15 +324,32 @@ class Candidate:
         self.chunks: dict[int, Candidate] | None = None
 
     def matches(self, k: Canon) -> bool:
-        """Is ``k`` (a held group) this candidate's graph? (canonicalises the candidate once)"""
-        if self._canon is None:
+        """Is ``k`` (a held group) this candidate's graph? (canonicalises the candidate once) When the two differ
+        only in the offsets of their inputs' layouts (``k.movable``: the peer takes those as values), both
+        become their moved forms (:meth:`Canon.moved`): ``k`` is then registered and replayed so."""
+        c = self._canon
+        if c is None:
             if self.ops is None:
                 return False
-            self._canon = canon(self.ops, self.dropped or set())
+            c = self._canon = canon(self.ops, self.dropped or set())
             self.ops = self.dropped = None  # keep only the canonical form
-            if self._canon is None:
+            if c is None:
                 return False
-        return self._canon.same(k)
+        if c.moving is None:
+            if c.same(k):
+                return True
+            if not k.movable or not c.same_frame(k):
+                return False
+            c = c.moved()
+            if c is None:
+                return False
+        km = k.moved()
+        if km is None or not c.same(km):
+            return False
+        if self._canon is not c:  # (from now on the candidate is its moved form, registered anew)
+            self._canon, self.entry = c, None
+        k.take(km)
+        return True
 
 
 class GraphTable:

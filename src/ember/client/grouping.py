@@ -112,7 +112,7 @@ class GroupHolding:
 
     def _queue_chunk(self, c: Candidate, start: int, ops: list[list[Any]]) -> None:
         dropped = self._released(self._grp_drops)
-        k = canon(ops, dropped, check_kws=False)
+        k = self._canon(ops, dropped)
         chunks = c.chunks
         if chunks is None:
             chunks = c.chunks = {}
@@ -163,11 +163,11 @@ class GroupHolding:
         first = g[0][1]
         cl = self._cands.get(first)
         if timed_out is not None and c is None and len(g) == timed_out.n:
-            k = canon(g, dropped, check_kws=False)  # it would have replayed, had it been held long enough: hold longer
+            k = self._canon(g, dropped)  # it would have replayed, had it been held long enough: hold longer
             if k is not None and timed_out.matches(k):
                 self._hold_s = min(self.graph_hold_max, max(self._hold_s, 2 * (time.monotonic() - self._hold_t0)))
         if c is not None:
-            k = canon(g, dropped, check_kws=False) if len(g) == c.n else None
+            k = self._canon(g, dropped) if len(g) == c.n else None
             if k is not None and cl:
                 for i, cand in enumerate(cl):  # same ops, maybe another aliasing or release pattern
                     if cand.n == c.n and cand.matches(k) and self._queue_replay(cand, k):
@@ -232,7 +232,7 @@ class GroupHolding:
         a, b = g[:k], g[k:]
         dropped = self._released(self._grp_drops)
         used = {x for op in b for x in op[2] if type(x) is int}  # (what the rest uses stays for it)
-        ka, kb = canon(a, dropped - used, check_kws=False), canon(b, dropped, check_kws=False)
+        ka, kb = self._canon(a, dropped - used), self._canon(b, dropped)
         if ka is None or kb is None:
             return False
         pair = c.split
@@ -244,10 +244,10 @@ class GroupHolding:
             c.split = None
             return False
         self._grp, self._cand, self._grp_drops, self._timed_out = [], None, [], None
-        self._append_replay(ea, k, ka.inputs, ka.kept_ids, ea.overrides(ka.scalars))
+        self._append_replay(ea, k, ka.inputs, ka.kept_ids, ea.overrides(ka.scalars), ea.moved(ka.offsets))
         p = self._pending
         p.append(msg)
-        self._append_replay(eb, len(b), kb.inputs, kb.kept_ids, eb.overrides(kb.scalars))
+        self._append_replay(eb, len(b), kb.inputs, kb.kept_ids, eb.overrides(kb.scalars), eb.moved(kb.offsets))
         self._after_read = len(b) + 2  # (the work sent after the read: client/exchange.py's estimate of its wait)
         if self._drops:
             self._drops_after(p, ka.elide | kb.elide)
@@ -259,7 +259,7 @@ class GroupHolding:
         e = self._entry(c, k)
         if e is None:  # id collision with another body: this group is not cached
             return False
-        p = self._append_replay(e, c.n, k.inputs, k.kept_ids, e.overrides(k.scalars))
+        p = self._append_replay(e, c.n, k.inputs, k.kept_ids, e.overrides(k.scalars), e.moved(k.offsets))
         if k.elide:
             self._drops_after(p, k.elide)
         if len(p) >= self.max_batch:  # (every caller flushes or arms the idle timer next)
@@ -286,16 +286,26 @@ class GroupHolding:
         if rest:
             p.append([m.DROP, rest])
 
-    def _append_replay(self, e: Any, n_ops: int, inputs: list[int], outs: list[Any], overrides: list[Any]) -> list[Any]:
+    def _canon(self, ops: list[list[Any]], dropped: set[int]) -> Any:
+        """A held group's canonical form (:func:`~ember.client.graph.canon`), movable when the peer takes moving
+        layouts."""
+        k = canon(ops, dropped, check_kws=False)
+        if k is not None:
+            k.movable = self._g_offsets
+        return k
+
+    def _append_replay(self, e: Any, n_ops: int, inputs: list[int], outs: list[Any], overrides: list[Any],
+                       offsets: list[int] | None = None) -> list[Any]:
         """Append a REPLAY of graph entry ``e`` to the pending batch (its GRAPH first when the peer's cache
-        lacks it); returns the batch."""
+        lacks it); returns the batch. ``offsets``: a graph's moving layouts' (``GraphEntry.moved``)."""
         table = self._gtable
         table.touch(e)
         p = self._pending
         if table.needs_register(e.gid):
             p.append(e.wire)
             self.stats["graphs"] += 1
-        p.append([m.REPLAY, e.gid, inputs, outs, overrides])
+        p.append([m.REPLAY, e.gid, inputs, outs, overrides] if offsets is None else
+                 [m.REPLAY, e.gid, inputs, outs, overrides, offsets])
         self.stats["replays"] += 1
         self.stats["replayed_ops"] += n_ops
         return p

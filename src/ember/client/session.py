@@ -115,6 +115,8 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
         self._gtable = GraphTable(gcap)
         self._poisoned: dict[int, EmberError] = {}  # ids whose message could not be sent: why
         self.data = m.DATA_FEATURE in codec.agreed_features(welcome.get("features"))
+        #: the peer takes moving layouts (GRAPH's ``moving``): a group that slices a tensor at a moving offset replays
+        self._g_offsets = m.OFFSETS_FEATURE in codec.agreed_features(welcome.get("features"))
         self.welcome_features = welcome.get("features")
         self.compiled = False  # the peer compiles this session's graphs (feature "compile", set by Device)
         self._placed: dict[tuple[int, int], int] = {}

@@ -28,8 +28,8 @@ Client → server messages (positions after the kind)::
     CLOSE
     PING    req                                 answered by the network loop
     SHAPE   req, id                             shape of a data-dependent output
-    GRAPH   gid, n_in, scalars, body, kept, consumed    register a recurring op group
-    REPLAY  gid, inputs, outs, scalar_overrides         run a registered group
+    GRAPH   gid, n_in, scalars, body, kept, consumed[, moving]    register a recurring op group
+    REPLAY  gid, inputs, outs, scalar_overrides[, offsets]        run a registered group
     EXPOSE  id, capability, target_peer, downloads, ttl    (tensor movement)
     FETCH   id, source, capability, timeout     source None: take a MOVE token
     MOVE    id, token                           same-peer move
@@ -98,6 +98,9 @@ temporaries that never get an id); ``outs`` may instead be one int ``first``:
 output register ``r`` then gets id ``first + r - n_in - len(scalars)`` (the
 client allocated the step's ids in order). ``consumed`` lists input positions
 dropped after the replay. ``gid`` is a 63-bit hash of the body without scalar values.
+With feature ``"offsets"``, ``moving`` (flat ``[step, operand, ...]``) names input operands'
+layouts whose offset each REPLAY may set (flat ``offsets`` ``[index, offset, ...]``): a loop
+that slices a tensor on the peer at a moving position (``data[i:i+n]``) replays one graph.
 """
 
 from __future__ import annotations
@@ -139,11 +142,13 @@ MAX_DATA_HEAD = 4096
 #: Tensors up to this many bytes travel inside a batch (MessagePack ``bin``), larger ones in data frames.
 INLINE_DATA = 64 * 1024
 #: Optional wire features this version speaks, negotiated in Hello / Welcome.
-FEATURES = ("data", "lanes", "compile")
+FEATURES = ("data", "lanes", "compile", "offsets")
 DATA_FEATURE = "data"
 #: Compiled graphs on the peer (``ember serve --compile``; server/execute/compiled.py): offered only by a
 #: client that asks for them (``connect(..., compile=True)``), agreed only by a peer started with the option.
 COMPILE_FEATURE = "compile"
+#: GRAPH's ``moving`` and REPLAY's ``offsets``: input views whose offset changes from replay to replay.
+OFFSETS_FEATURE = "offsets"
 #: Several streams per large transfer (``protocol.lanes``); only with ``"data"``.
 LANES_FEATURE = "lanes"
 

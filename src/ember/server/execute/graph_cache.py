@@ -4,7 +4,9 @@ A GRAPH message (see :mod:`ember.protocol.messages`) is validated and compiled
 into a tuple of steps ``(fn, arg_registers, out_registers, kwargs, name,
 tensor_registers, error)``: the op's callable is looked up once, the keyword
 arguments are converted once (dtype names to backend dtypes, axis lists to
-tuples) into a private copy that replays never mutate. The interpreter runs
+tuples) into a private copy that replays never mutate, except the offsets of its
+*moving* layouts (GRAPH's optional ``moving``: input views a loop slices at a moving
+position), which each REPLAY sets (:func:`set_offsets`). The interpreter runs
 the steps over a register file (:meth:`Interpreter.replay`); on a torch device the graph's ATen
 steps are lowered into a :class:`~ember.server.execute.program.Program` at its first replay. A
 graph registered again unchanged (the same message bytes) keeps what it was lowered into.
@@ -41,7 +43,7 @@ MAX_CACHE_BYTES = 64 << 20
 
 class CompiledGraph:
     __slots__ = ("gid", "n_in", "scalars", "n_s", "steps", "kept", "consumed", "n_reg", "n_ops", "wire_bytes",
-                 "replay_bytes", "saved", "nbytes", "program", "digest")
+                 "replay_bytes", "saved", "nbytes", "program", "digest", "moving", "offsets")
 
     def __init__(self, gid: int, n_in: int, scalars: list[Any], steps: tuple[Step, ...], kept: tuple[int, ...],
                  consumed: tuple[int, ...], n_reg: int, nbytes: int = 0) -> None:
@@ -60,6 +62,9 @@ class CompiledGraph:
         self.saved = 0         # wire bytes one replay saves against sending the ops one by one
         self.program: Any = None  # its Program (lowered at the first replay), False when it has no fast step
         self.digest = b""      # the GRAPH message's hash: registered again unchanged, the graph is kept
+        #: (step, operand, its layout in the step's private keyword arguments) per moving layout
+        self.moving: tuple[tuple[int, int, list[Any]], ...] = ()
+        self.offsets: list[int] = []  # their offsets as registered (a REPLAY's defaults)
 
     def drop(self) -> None:
         """The graph left the cache: its program's cached views go (they hold storages of the session)."""
@@ -90,9 +95,9 @@ def _int(v: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
 def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend: Backend,
                   raw: bytes | None = None) -> CompiledGraph:
     """Validate a GRAPH message and compile it; ProtocolError names what is malformed."""
-    if len(msg) != 7:
-        raise ProtocolError(f"malformed Graph message: {len(msg)} fields, expected 7")
-    _, gid, n_in, scalars, body, kept, consumed = msg
+    if len(msg) not in (7, 8):
+        raise ProtocolError(f"malformed Graph message: {len(msg)} fields, expected 7 (or 8, with moving layouts)")
+    _, gid, n_in, scalars, body, kept, consumed = msg[:7]
     _int(gid, "the graph id", 0, 1 << 64)
     _int(n_in, "the input count", 0, 1 << 20)
     if not isinstance(scalars, list) or not isinstance(body, list) or not isinstance(kept, list) \
@@ -141,10 +146,59 @@ def compile_graph(msg: list[Any], table: dict[str, Callable[..., Any]], backend:
     for k in consumed:
         _int(k, "a consumed input", 0, n_in)
     g = CompiledGraph(gid, n_in, scalars, tuple(steps), tuple(kept), tuple(consumed), reg, cost + 8 * reg)
+    if len(msg) == 8:
+        _moving(g, msg[7])
     _sizes(g, msg, raw)
     if scalars:  # its literals (a list of millions of numbers...) are held as long as it is cached
         g.nbytes += 8 * len(codec.packb(scalars))
     return g
+
+
+def _moving(g: CompiledGraph, moving: Any) -> None:
+    """GRAPH's ``moving``, flat ``[step, operand, ...]``: each an ATen step's operand that is a graph input,
+    whose layout's offset each REPLAY may set. The step gets a private copy of that layout to set it in."""
+    if not isinstance(moving, list) or len(moving) % 2 or len(moving) > 2 * MAX_REGISTERS:
+        raise ProtocolError("malformed Graph message: moving must be a flat [step, operand, ...] array")
+    steps = g.steps
+    out: list[tuple[int, int, list[Any]]] = []
+    seen = set()
+    for j in range(0, len(moving), 2):
+        i = _int(moving[j], "a moving layout's step", 0, len(steps))
+        _, regs, _, kw, name, _, _ = steps[i]
+        lays = kw.get("l") if kw is not None else None
+        if type(lays) is not list or len(regs) != 1 + len(lays):
+            raise ProtocolError(f"malformed Graph message: step {i} ({name[:40]}) has no operand layouts to move")
+        t = _int(moving[j + 1], f"a moving operand of step {i}", 0, len(lays))
+        lay = lays[t]
+        if regs[1 + t] >= g.n_in or not isinstance(lay, list) or len(lay) != 4 or type(lay[2]) is not int:
+            raise ProtocolError(f"malformed Graph message: operand {t} of step {i} ({name[:40]}) is not an input "
+                                "in a layout")
+        if (i, t) in seen:
+            raise ProtocolError(f"malformed Graph message: operand {t} of step {i} moves twice")
+        seen.add((i, t))
+        lays = kw["l"] = list(lays)  # (the step's keyword arguments are its own already: compile_graph)
+        lay = lays[t] = list(lay)
+        out.append((i, t, lay))
+        g.offsets.append(lay[2])
+    g.moving = tuple(out)
+    g.nbytes += 64 * len(out)
+
+
+def set_offsets(g: CompiledGraph, ovr: Any) -> list[int]:
+    """A REPLAY's ``offsets`` (flat ``[index, offset, ...]``, the others as registered) set into the moving
+    layouts of ``g``; returns every moving layout's offset for this replay."""
+    offs = list(g.offsets)
+    if not isinstance(ovr, list) or len(ovr) % 2:
+        raise ProtocolError(f"malformed Replay of graph {g.gid}: offsets must be a flat [index, offset, ...] array")
+    for j in range(0, len(ovr), 2):
+        idx, off = ovr[j], ovr[j + 1]
+        if type(idx) is not int or not 0 <= idx < len(offs) or type(off) is not int or not 0 <= off < 1 << 62:
+            raise ProtocolError(f"Replay of graph {g.gid} sets offset {safe_repr(idx)} to {safe_repr(off)}; the "
+                                f"graph moves {len(offs)} layouts, offsets are non-negative ints")
+        offs[idx] = off
+    for (_, _, lay), off in zip(g.moving, offs):
+        lay[2] = off
+    return offs
 
 
 class GraphCache:

@@ -11,6 +11,9 @@ the session's stream). A typed register holds one register in one layout:
   no view at all). The views are dropped when that value leaves the session (:meth:`Program.unbind`,
   called by ``Holdings.forget``) or another value is bound, so a cached view never keeps a freed,
   uncharged storage alive;
+* a *moving* layout of an input (GRAPH's ``moving``: a window a loop slides over a tensor): a view of its
+  own, made again when a replay moves its offset (:meth:`Program._move`), checked against the storage
+  as every input view is;
 * a fast step's result, in the layout its output spec names (the result itself, adopted), and each
   other layout a later step reads it in (a view, made once the result exists).
 
@@ -71,6 +74,11 @@ class Program:
         self.prod: dict[int, int] = {}  # register a fast step makes -> its typed register (the spec's layout)
         self.derive: dict[int, list[tuple[int, Any, int]]] = {}  # such a register -> other layouts read
         self.fast: list[FastStep | None] = []
+        #: moving layouts (GRAPH's ``moving``) fast steps read: (index, input, typed register, layout); the
+        #: offset each one's cached view was made at (-1: none yet)
+        self.mv: list[tuple[int, int, int, Any]] = []
+        self.mv_at: list[int] = []
+        moving = {(i, t): j for j, (i, t, _) in enumerate(g.moving)}
         for i, s in enumerate(g.steps):
             try:
                 fs = self._lower(i, s, g, n_in, first_out)
@@ -80,7 +88,8 @@ class Program:
                 for r in s[2]:
                     self.prod.pop(r, None)
             else:
-                fs.trs = [self._source(r, lay) for r, lay in fs.trs]
+                fs.trs = [self._source(r, lay) if (i, t) not in moving else self._moving(moving[(i, t)], r, lay)
+                          for t, (r, lay) in enumerate(fs.trs)]
                 fs.wtrs = [fs.trs[j] for j in fs.wtrs]
                 for _, oreg, lay in fs.outs:
                     self.prod[oreg] = self._tr(oreg, lay)
@@ -191,12 +200,41 @@ class Program:
         fs.one = -1
         return fs
 
+    def _moving(self, j: int, r: int, lay: Any) -> int:
+        """The typed register of moving layout ``j`` (input ``r`` in ``lay``, whose offset each replay sets): its
+        own, shared with no other operand; its view is made again when the offset changes (:meth:`_move`)."""
+        tr = self.trmap[(r, ("moving", j))] = len(self.trmap)
+        self.lays.setdefault(r, []).append((tr, lay))
+        self.in_lays.setdefault(r, []).append((tr, lay, self.aten.A.layout_extent(_list(lay), self.aten.ITEMSIZE)))
+        self.mv.append((j, r, tr, lay))
+        self.mv_at.append(-1)
+        return tr
+
+    def _move(self, R: list[Any], offs: list[int]) -> None:
+        """The moving layouts' views at this replay's offsets (None past the storage's end: that step runs
+        generically, where the layout is checked and the op poisoned as if sent alone)."""
+        at, V0, bound = self.mv_at, self.V0, self.bound
+        for x, (j, r, tr, (size, stride, _, dt)) in enumerate(self.mv):
+            off = offs[j]
+            if at[x] == off:
+                continue
+            at[x] = off
+            b = bound[r]
+            if b is None or b is not R[r]:
+                V0[tr] = None
+                continue
+            lay = (size, stride, off, dt)
+            self._derive(V0, b, [(tr, lay, self.aten.A.layout_extent(_list(lay), self.aten.ITEMSIZE))], self.device)
+
     # ---- inputs: views cached on the storage value --------------------------------------------
     def _bind_input(self, k: int, b: Any) -> None:
         """Views of input ``k``'s storage value ``b`` in each layout its fast consumers read (None where
         ``b`` is not a storage or too small: those steps run generically and say why)."""
         self.unbind(k, self.bound[k])
         torch, V0 = self.torch, self.V0
+        for x, mv in enumerate(self.mv):
+            if mv[1] == k:
+                self.mv_at[x] = -1  # (its view is made at this replay's offset by _move)
         ok = isinstance(b, torch.Tensor) and b.dtype is torch.uint8 and b.dim() == 1 and b.storage_offset() == 0
         entries = self.in_lays.get(k, ())
         if not ok:
@@ -240,6 +278,9 @@ class Program:
         self.bound[k] = None
         for tr, _, _ in self.in_lays.get(k, ()):
             self.V0[tr] = None
+        for x, mv in enumerate(self.mv):
+            if mv[1] == k:
+                self.mv_at[x] = -1
 
     def release(self) -> None:
         """Drop every cached view (the graph left the cache, or a kernel restrided a view)."""
@@ -247,14 +288,17 @@ class Program:
             self.unbind(k, b)
 
     # ---- replay ----------------------------------------------------------------------------------
-    def run(self, it: Any, g: Any, R: list[Any], ovr: Any, st: Any) -> None:
-        """Replay the graph over ``R`` (inputs and scalars set); kept registers hold storage values after."""
+    def run(self, it: Any, g: Any, R: list[Any], ovr: Any, st: Any, offs: list[int] | None = None) -> None:
+        """Replay the graph over ``R`` (inputs and scalars set; ``offs``: the moving layouts' offsets); kept
+        registers hold storage values after."""
         if self.aten.THREADS[0] is not None:  # (the fast steps call kernels directly: AtenKernel.run follows it)
             self.aten._follow_threads()
         bound = self.bound
         for k in self.in_lays:
             if R[k] is not bound[k]:
                 self._bind_input(k, R[k])
+        if self.mv:
+            self._move(R, offs)  # type: ignore[arg-type]
         V = self.V0.copy()
         fast: Any = self.fast
         if self.need:

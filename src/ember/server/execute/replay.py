@@ -17,7 +17,7 @@ from ...protocol import messages as m
 from ...protocol import codec
 from ...protocol.codec import safe_repr
 from .confine import scalar_fault
-from .graph_cache import compile_graph, digest
+from .graph_cache import compile_graph, digest, set_offsets
 from .program import Program
 from .sizes import PREDICTED
 
@@ -206,7 +206,11 @@ class GraphReplay:
         them, temporaries too; reservations are made exactly as for the op sent alone; the kept
         results are then charged by buffer as they are stored.
         """
-        _, gid, ins, outs, scal = msg
+        if len(msg) == 6:  # with moving layouts' offsets (GRAPH's moving)
+            _, gid, ins, outs, scal, offs = msg
+        else:
+            _, gid, ins, outs, scal = msg
+            offs = None
         if type(gid) is not int or not 0 <= gid < 1 << 64:
             raise ProtocolError(f"Replay names graph {safe_repr(gid)}: graph ids are 64-bit unsigned ints")
         g = self.graphs.get(gid)
@@ -245,6 +249,7 @@ class GraphReplay:
                 raise ProtocolError(f"Replay of graph {gid} overrides scalar {idx} with a {type(scal[j + 1]).__name__}")
             R[n_in + idx] = scal[j + 1]
             ovr.add(n_in + idx)
+        moved = set_offsets(g, offs if offs is not None else []) if g.moving or offs else None
         prog = g.program
         if prog is None:  # lowered at the first replay: a graph never replayed costs nothing more
             prog = g.program = Program(g, self) if self._aten else False  # type: ignore[attr-defined]
@@ -252,7 +257,7 @@ class GraphReplay:
                 prog = g.program = False
         try:
             if prog:
-                prog.run(self, g, R, ovr, st)
+                prog.run(self, g, R, ovr, st, moved)
             else:
                 step = self._step
                 for i in range(g.n_ops):
