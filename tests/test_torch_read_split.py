@@ -143,3 +143,32 @@ def test_a_step_whose_end_a_read_waits_for_goes_out_in_chunks(torch_peer: str) -
     same(lm_loop("cpu", late), got)
     assert stats["split_reads"] == 0, stats  # (no read here could overtake anything)
     assert stats["replays"] >= 4 * (STEPS - STEPS // 7 - 4), stats  # several chunks a step
+
+
+def test_array_api_loops_split_at_their_reads_too(torch_peer: str) -> None:
+    """The Array API's ops write none of their arguments (``protocol.ops.writes``): a gradient descent written
+    with ``ember.array_api`` that reads its loss every step has it answered before the gradient and the update,
+    with the same values as the loop whose reads wait for the whole step."""
+    import numpy as np
+
+    import ember.array_api as xp
+
+    def descend(split: bool) -> tuple[list[float], Any, dict[str, int]]:
+        rng = np.random.default_rng(0)
+        with ember.connect(torch_peer) as dev:
+            X = xp.asarray(rng.standard_normal((64, 8)), device=dev)
+            y = xp.asarray(rng.standard_normal(64), device=dev)
+            w = xp.zeros(8, device=dev, dtype=xp.float64)
+            if not split:
+                dev.session.op_writes = None  # (as before ops.writes: reads never split the held group)
+            seen = []
+            for _ in range(STEPS):
+                r = X @ w - y
+                loss = xp.mean(r * r)
+                w = w - 0.05 * (2 * (xp.matrix_transpose(X) @ r) / 64)
+                seen.append(float(loss))
+            return seen, np.asarray(w), dict(dev.session.stats)
+    got, base = descend(True), descend(False)
+    assert got[0] == base[0] and np.array_equal(got[1], base[1])
+    assert got[2]["split_reads"] >= STEPS - 4 and base[2]["split_reads"] == 0, (got[2], base[2])
+    assert got[2]["replays"] >= 2 * (STEPS - 6), got[2]

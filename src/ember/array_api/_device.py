@@ -6,6 +6,7 @@ import weakref
 from typing import Any
 
 from ..client.device import Device, default_device
+from ..protocol import ops
 from . import _dtypes as d
 
 #: Every device the array API has seen in this process (``__array_namespace_info__().devices()``).
@@ -29,7 +30,11 @@ def dtype_names(dev: Device) -> list[str]:
 
 
 def check_dtype(dev: Device, dt: d.DType) -> None:
-    """Refuse, before anything is sent, a dtype the device's backend lacks."""
+    """Refuse, before anything is sent, a dtype the device's backend lacks. (Every array starts here: the
+    session learns that this frontend's ops write none of their arguments, ``ops.writes``.)"""
+    s = dev.session
+    if getattr(s, "op_writes", False) is None:
+        s.op_writes = ops.writes
     names = dtype_names(dev)
     if dt.name not in names:
         raise TypeError(f"device {dev!r} ({dev.info['backend']}) has no {dt.name} dtype; "

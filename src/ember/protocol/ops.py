@@ -45,3 +45,11 @@ SEQUENCE_ARG = frozenset({"concat", "stack"})
 """Functions whose first parameter is a sequence of arrays (sent as varargs)."""
 
 ALL = CREATION | ELEMENTWISE | OTHER | LINALG | FFT | INTERNAL
+
+
+def writes(name: str) -> bool | None:
+    """Does op ``name`` write one of its arguments? False for every op of this vocabulary (``setitem`` makes a
+    new array); None (unknown: it may) for any other name. ``ClientSession.op_writes`` for the Array API: a
+    value read inside a held op group is answered before the group's ops that cannot change it."""
+    return False if name in ALL else None
+

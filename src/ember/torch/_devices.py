@@ -17,6 +17,7 @@ from typing import Any
 from ..client.device import Device
 from ..errors import EmberError
 from ..protocol import messages as m
+from ..protocol import ops
 from ._schema import WRITES, OpInfo
 from ._storage import StorageRef, live_session
 
@@ -59,12 +60,20 @@ def current_device() -> Device:
 
 
 
+def _writes(name: str) -> bool | None:
+    """``ClientSession.op_writes`` of a session ember.torch uses: ATen overloads by their schemas, the Array
+    API's ops as that frontend says (none writes), anything else unknown."""
+    w = WRITES.get(name)
+    return w if w is not None else ops.writes(name)
+
+
 def check_torch(dev: Device) -> None:
     kind = dev.info.get("backend")
     if kind == "torch":
         s = dev.session
-        if getattr(s, "op_writes", False) is None:  # (what this frontend's ops write: a read may overtake
-            s.op_writes = WRITES.get              # the rest of its step; a mesh's sessions are not split)
+        w = getattr(s, "op_writes", False)
+        if w is None or w is ops.writes:  # (what this frontend's ops write: a read may overtake the rest of
+            s.op_writes = _writes         # its step; a mesh's sessions are not split)
         return
     raise NotATorchDevice(
         f"ember tensors need a torch device, and {dev!r} is a {kind} device ({dev.info.get('spec')})",
