@@ -28,7 +28,8 @@ def test_quick_suite_prints_a_table_and_writes_json(tmp_path: Path) -> None:
         assert figs["pipelined_ops_s"][t]["median"] > 0
         assert figs["latency_p50_us"][t]["median"] > 0
         assert figs["upload_4MiB_MBps"][t]["median"] > 0
-        assert figs["graph_wire_ratio"][t]["median"] >= 10  # replayed steps: 10x fewer bytes
+        # replayed steps: 10x fewer bytes as one REPLAY, 5x and more as two (the loss read splits the step)
+        assert figs["graph_wire_ratio"][t]["median"] >= 5
     assert figs["pipelined_ops_s"]["numpy"]["median"] > 0
     assert figs["latency_p50_us"]["raw_tcp"]["median"] > 0
     assert report["targets"]["graph_wire_ratio"]["websocket"]["met"]

@@ -19,7 +19,9 @@ TARGETS: dict[str, dict[str, tuple[str, float]]] = {
     "download_16MiB_MBps": {"websocket": (">=", 1000), "iroh": (">=", 250)},
     "upload_256MiB_MBps": {"websocket": (">=", 1000), "iroh": (">=", 250)},
     "download_256MiB_MBps": {"websocket": (">=", 1000), "iroh": (">=", 250)},
-    "graph_wire_ratio": {"websocket": (">=", 10), "iroh": (">=", 10)},
+    # (>= 10 while a step replayed as one REPLAY; its loss read now splits it into two, the read between them:
+    # ~35 more bytes a step, 1.3-1.4x faster steps, graph_step_on_us)
+    "graph_wire_ratio": {"websocket": (">=", 5), "iroh": (">=", 5)},
     "upload_peak_memory_ratio": {"tcp": ("<=", 1.2), "websocket": ("<=", 1.2), "iroh": ("<=", 1.2)},
 }
 
