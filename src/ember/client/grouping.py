@@ -333,6 +333,8 @@ class GroupHolding:
         ``overrides``: ``e.overrides(scalars)`` for the scalars this replay runs with."""
         if self.lost is not None:
             raise self._lost_error()
+        if self.known:  # (what the graph writes: its inputs and the held ids it replaces, at most)
+            self._unknow([m.REPLAY, inputs, outs])
         with self._lock:
             self._boundary_locked()
             p = self._append_replay(e, n_ops, inputs, outs, overrides)

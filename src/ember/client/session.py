@@ -49,12 +49,13 @@ from .grouping import GroupHolding
 from .lanes import LaneData, StripedUpload
 from . import batch
 from .graph import Candidate, GraphTable
+from .known import READS_ONLY, Knowing
 
 _sessions: "weakref.WeakSet[ClientSession]" = weakref.WeakSet()
 _OP = m.OP
 
 
-class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
+class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging, Knowing):
     """One session with one device of one peer."""
 
     def __init__(self, conn: FrameConnection, welcome: dict[str, Any], loop: asyncio.AbstractEventLoop, *,
@@ -86,7 +87,11 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
         self.lost: EmberError | None = None
         self.stats = {"ops": 0, "batches": 0, "bytes_sent": 0, "bytes_received": 0, "reads": 0,
                       "graphs": 0, "replays": 0, "replayed_ops": 0, "graph_resends": 0, "split_reads": 0,
-                      "unsendable": 0}  # messages dropped: they could not be encoded (client/batch.py)
+                      "unsendable": 0,  # messages dropped: they could not be encoded (client/batch.py)
+                      "known_reads": 0}  # reads the frontend answered from bytes it holds (known)
+        #: id -> the exact bytes of that storage, as a frontend knows them without asking (ember.torch's
+        #: ``_known``); an id is forgotten whenever a message may write it (:meth:`_unknow`) or it is released
+        self.known: dict[int, Any] = {}
         # op-graph caching: the current group, held or shadow-captured (None: not capturing)
         gcap = int(limits.get("graph_cache", 0))
         self._g_on = bool(graphs) and gcap > 0
@@ -138,6 +143,8 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
         """Queue one message; flush when the batch is full, arm the idle timer when it starts."""
         if self.lost is not None:
             raise self._lost_error()
+        if self.known:
+            self._unknow(msg)
         with self._lock:
             g = self._grp
             if msg[0] == _OP:
@@ -182,6 +189,8 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
     def release(self, tid: int) -> None:
         """The user dropped an array: free it on the peer with the next batch (called from __del__)."""
         self._drops.append(tid)
+        if self.known:
+            self.known.pop(tid, None)
 
     def flush(self) -> None:
         with self._lock:
@@ -250,6 +259,8 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
         """Send ``msg`` as a batch of its own, after everything recorded so far."""
         if self.lost is not None:
             raise self._lost_error()
+        if self.known:
+            self._unknow(msg)
         with self._lock:
             self._flush_locked()
             self._pending.append(msg)
@@ -262,6 +273,8 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging):
         ``nbytes`` of a large answer arriving)."""
         if self.lost is not None:
             raise self._lost_error()
+        if self.known and kind not in READS_ONLY:
+            self._unknow([kind, *fields])
         req = next(self._reqs)
         w = Waiter()
         self._waiters[req] = w

@@ -22,13 +22,14 @@ import torch
 from ..client.device import Device
 from ..protocol import aten as A
 from ..protocol import messages as m
-from . import _meta
+from . import _known, _meta
 from ._schema import OpInfo, bound, call, info
 from ._transfer import run_dynamic, upload
 from ._devices import WrongDevice, apply_seed, current_device, device_of, materialize
 from ._storage import StorageRef, dtype_name, live_session, new_tensor, set_layout
 
 _OP = m.OP
+_EXACT = _known.EXACT
 _inference_mode = torch.is_inference_mode_enabled
 _cache: dict[Any, _meta.Plan] = {}
 #: The fast path's plans: (op info, per positional argument its layout or literal) -> (plan, defaults' scalars,
@@ -211,6 +212,13 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _generic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     i = info(op)
+    res = _call(i, op, args, kwargs)
+    if i.exact and type(res) is _Tensor and res.dtype in _EXACT:  # (an integer result the client may know)
+        _known.follow(op, args, kwargs, res)
+    return res
+
+
+def _call(i: OpInfo, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     walked = None if kwargs else _fast_walk(i, args)
     if walked is not None:
         fkey, operands, refs, scalars = walked

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ..protocol import aten as A
+from . import _known
 
 _VALUE_SHAPED = frozenset({"arange", "range", "linspace", "logspace"})
 """Ops whose output shape depends on the *values* of their scalar arguments."""
@@ -24,7 +25,7 @@ class OpInfo:
     """One overload: its wire name, argument categories and the flags the dispatch path needs."""
 
     __slots__ = ("op", "name", "base", "args", "n_pos", "writes", "inplace_view", "seeded", "by_value",
-                 "alloc", "returns", "list_return", "refused", "pos_cats")
+                 "alloc", "returns", "list_return", "refused", "pos_cats", "exact")
 
     def __init__(self, op: Any) -> None:
         self.op = op
@@ -46,6 +47,9 @@ class OpInfo:
         self.list_return = self.returns == ["List[Tensor]"]
         self.refused = A.refusal(self.name, [(a.name, str(a.real_type)) for a in schema.arguments],
                                  self.returns)
+        #: an integer result of a call may be known (computed here too, exactly: _known.py)
+        self.exact = self.refused is None and self.returns == ["Tensor"] and \
+            _known.exact(op, base, self.seeded, any(self.writes))
 
 
 # c10's enums, which a schema's defaults carry as ints (``ScalarType? dtype=4`` is int64)

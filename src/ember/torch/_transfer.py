@@ -19,6 +19,7 @@ from ..client.progress import choose
 from ..protocol import aten as A
 from ..protocol import messages as m
 from . import _devices as D
+from . import _known
 from ._schema import OpInfo, info
 from ._storage import StorageRef, dtype_name, live_session, new_tensor, ref_of
 
@@ -48,7 +49,10 @@ def upload(src: torch.Tensor, dev: Device) -> torch.Tensor:
     s = dev.session
     nbytes = host.numel() * host.element_size()  # (an upload that rides in the batch shows no progress)
     sid = s.upload(_bytes_of(host), None if nbytes <= m.INLINE_DATA else choose(None, nbytes))
-    return new_tensor(host.dtype, host.shape, host.stride(), 0, ref=StorageRef(sid, s, dev))
+    r = StorageRef(sid, s, dev)
+    if host.dtype in _known.EXACT:
+        _known.uploaded(r, host)
+    return new_tensor(host.dtype, host.shape, host.stride(), 0, ref=r)
 
 
 def _covers_storage(t: torch.Tensor) -> bool:
@@ -63,6 +67,8 @@ def copy_from_host(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     s = live_session(r)
     if _covers_storage(dst):
         new = StorageRef(s.upload(_bytes_of(host), choose(None, host.numel() * host.element_size())), s, r.device)
+        if host.dtype in _known.EXACT:
+            _known.uploaded(new, host)
         dst.untyped_storage()._ember = new  # the old id (if it ever existed) is dropped with its ref
         return dst
     tmp = upload(host, r.device)
@@ -75,6 +81,9 @@ def read(t: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
     r = ref_of(t)
     if r.pending is not None:  # never written: the peer would allocate it zeroed
         return torch.zeros(t.shape, dtype=t.dtype)
+    v = _known.value(t, r) if getattr(r.session, "known", None) else None
+    if v is not None:  # the client holds its bytes (_known.py): no round trip
+        return v.clone()
     st = t.untyped_storage()
     need = t.numel() * t.element_size()
     src = t
@@ -106,6 +115,10 @@ def local_scalar(op: Any, t: torch.Tensor) -> Any:
     (no CPU tensor in between) for a one-element tensor of a small storage."""
     fmt = _SCALAR_FORMATS.get(t.dtype)
     r = ref_of(t)
+    if getattr(r.session, "known", None):
+        v = _known.value(t, r)
+        if v is not None:  # the client holds its bytes (_known.py): no round trip
+            return v.item()
     if fmt is None or r.pending is not None or t.numel() != 1 or t.untyped_storage().nbytes() > 4096:
         return read(t).item()
     s = live_session(r)

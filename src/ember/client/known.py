@@ -1,0 +1,49 @@
+"""Ids whose value a frontend knows without asking the peer, and when the session forgets them.
+
+``ClientSession.known`` maps a storage id to its exact bytes as the frontend holds them (``ember.torch``'s
+``_known``: small integer tensors made from constants or uploads). The session forgets an id whenever a
+message it sends may write that id, so that a read of a known id is always the peer's value: an op's
+arguments unless the frontend says the op writes none (``op_writes``), every id of any other message but a
+request that only reads, a captured graph's inputs and outputs (``replay_graph``), and a released id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..protocol import messages as m
+
+#: Requests that write nothing.
+READS_ONLY = frozenset({m.READ, m.SYNC, m.SHAPE, m.PING, m.STATS})
+
+
+class Knowing:
+    """Forgetting known ids (a mixin of ClientSession, which holds ``known`` and ``op_writes``)."""
+
+    known: dict[int, Any]
+    op_writes: Any
+
+    def _unknow(self, msg: list[Any]) -> None:
+        """Forget the known value (``known``) of every id ``msg`` may write: an op's arguments unless the
+        frontend says it writes none (``op_writes``), every id any other message names except a request's
+        that only reads."""
+        known = self.known
+        kind = msg[0]
+        if kind == m.OP:
+            w = self.op_writes
+            if w is not None and w(msg[1]) is False:
+                return
+            smask = msg[3]
+            for j, a in enumerate(msg[2]):
+                if not smask >> j & 1 and type(a) is int:
+                    known.pop(a, None)
+            return
+        if kind in READS_ONLY:
+            return
+        for f in msg[1:]:
+            if type(f) is int:
+                known.pop(f, None)
+            elif type(f) is list:
+                for x in f:
+                    if type(x) is int:
+                        known.pop(x, None)

@@ -1,0 +1,131 @@
+"""Values the client knows exactly, so that reading them asks the peer nothing.
+
+Real training code reads small integer tensors that it made from constants or from its own CPU data:
+Hugging Face's masks check ``position_ids`` (an ``arange``) for packed sequences and an uploaded
+``attention_mask`` for padding before every forward; a loop checks ``(labels == -100).all()``. Each such
+read used to be a round trip that waited for everything sent before it (the previous step's optimizer
+step), and a boundary that cut the step's op group in two.
+
+A storage is *known* when the client holds its exact bytes (``ClientSession.known``: id -> a CPU ``uint8``
+tensor): a small upload of integer or boolean data, or the dense result of a call of an *exact* overload
+(``OpInfo.exact``: pointwise, or a creation, a reduction or a data movement whose integer result does not
+depend on the device, and that writes and draws nothing) with an integer or boolean result whose every
+tensor operand is known and integer or boolean. That call also runs on CPU torch here, at record time,
+on views of the known bytes; the op still goes to the peer as always. ``.item()`` / ``bool()`` /
+``.cpu()`` of a known storage read those bytes: no round trip, no boundary.
+
+Knowledge never outlives the bytes it mirrors: the session forgets an id whenever a message might write it
+(an op that may write its arguments, a replay, a transfer: ``ClientSession._unknow``) or it is released.
+Integer arithmetic is exact on every device, so the bytes are the peer's. One difference remains: an op the
+peer refuses (over its memory budget, say) poisons the id there, and a read of the known value still returns
+it here; the error comes with the next read of what depends on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._storage import StorageRef
+
+#: dtypes whose arithmetic is exact on every device (the only ones known)
+EXACT = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+#: A known storage is at most this many bytes, and a session knows at most MAX_ENTRIES of them.
+KNOWN_MAX = 1 << 14
+MAX_ENTRIES = 1024
+#: Overloads (by base name) besides pointwise ones whose integer results are the same on every device.
+EXACT_OPS = frozenset({
+    "arange", "zeros", "ones", "full", "scalar_tensor", "zeros_like", "ones_like", "full_like", "eye", "tril", "triu",
+    "cumsum", "cumprod", "sum", "prod", "all", "any", "amax", "amin", "max", "min", "count_nonzero",
+    "cat", "stack", "clone", "_to_copy", "contiguous", "repeat", "flip", "roll", "index_select", "gather",
+    "constant_pad_nd", "masked_fill", "where", "lift_fresh", "alias_copy",
+})
+_CPU = torch.device("cpu")
+
+
+class _Unknown(Exception):
+    """An operand whose bytes the client does not hold."""
+
+
+#: Pointwise overloads left out: a shift by the type's width or more is the C++ compiler's to define.
+_NOT_EXACT = frozenset({"bitwise_left_shift", "bitwise_right_shift", "__lshift__", "__rshift__"})
+
+
+def exact(op: Any, base: str, seeded: bool, writes: bool) -> bool:
+    """May a call of ``op`` make a known result? (``OpInfo.exact``)"""
+    if seeded or writes or base in _NOT_EXACT:
+        return False
+    return torch.Tag.pointwise in op.tags or base in EXACT_OPS
+
+
+def follow(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], res: torch.Tensor) -> None:
+    """``res`` (an integer or boolean result of an exact call, just recorded) is known when every tensor
+    operand of the call is: the call is run on CPU torch over the operands' known bytes."""
+    r = getattr(res.untyped_storage(), "_ember", None)
+    if r is None or r.pending is not None:
+        return
+    s = r.session
+    known = getattr(s, "known", None)  # (a mesh's sessions know nothing)
+    if known is None or r.sid in known or len(known) >= MAX_ENTRIES:
+        return
+    nb = res.untyped_storage().nbytes()
+    if nb > KNOWN_MAX or res.storage_offset() or res.numel() * res.element_size() != nb \
+            or not res.is_contiguous():
+        return  # (the peer's bytes outside the result's layout are not the client's to know)
+    try:
+        ca = [_on_cpu(a, known, s) for a in args]
+        ck = {k: _on_cpu(v, known, s) for k, v in kwargs.items()} if kwargs else {}
+    except _Unknown:
+        return
+    try:
+        with torch.no_grad():
+            c = op(*ca, **ck)
+    except Exception:  # noqa: BLE001 - what the CPU refuses, the peer judges (and the read asks it)
+        return
+    if type(c) is not torch.Tensor or c.dtype is not res.dtype or c.shape != res.shape:
+        return
+    buf = torch.empty(nb, dtype=torch.uint8)
+    torch.empty(0, dtype=res.dtype).set_(buf.untyped_storage(), 0, res.shape, res.stride()).copy_(c)
+    known[r.sid] = buf
+
+
+def _on_cpu(a: Any, known: dict[int, Any], s: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        if a.device.type != "ember":
+            return a  # (a 0-d CPU tensor mixed in, as ember's dispatch allows)
+        r = getattr(a.untyped_storage(), "_ember", None)
+        k = known.get(r.sid) if r is not None and r.session is s and a.dtype in EXACT else None
+        if k is None:
+            raise _Unknown
+        return torch.empty(0, dtype=a.dtype).set_(k.untyped_storage(), a.storage_offset(), a.shape, a.stride())
+    if isinstance(a, (list, tuple)):
+        return type(a)(_on_cpu(x, known, s) for x in a)
+    if isinstance(a, torch.device) and a.type == "ember":
+        return _CPU
+    return a
+
+
+def uploaded(r: StorageRef, host: torch.Tensor) -> None:
+    """A small integer or boolean upload (``host``: contiguous, its bytes sent) is known."""
+    known = getattr(r.session, "known", None)
+    if known is not None and host.dtype in EXACT and host.numel() * host.element_size() <= KNOWN_MAX \
+            and len(known) < MAX_ENTRIES:
+        known[r.sid] = host.reshape(-1).view(torch.uint8).clone()
+
+
+def value(t: torch.Tensor, r: StorageRef) -> torch.Tensor | None:
+    """``t``'s value as a CPU tensor when its storage is known (a view of the known bytes), else None."""
+    known = getattr(r.session, "known", None)
+    k = known.get(r.sid) if known else None
+    if k is None or r.session.lost is not None:
+        return None
+    try:
+        v = torch.empty(0, dtype=t.dtype).set_(k.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    except RuntimeError:  # (a layout past the known bytes: the peer says what is wrong)
+        return None
+    r.session.stats["known_reads"] += 1
+    return v
+
+
+__all__ = ["EXACT", "KNOWN_MAX", "follow", "uploaded", "value", "exact"]

@@ -1,0 +1,132 @@
+"""Values the client knows exactly (ember/torch/_known.py): reads of small integer tensors made from constants or
+uploads, or computed from such, ask the peer nothing; anything that may write such a storage makes the next read
+ask the peer again. Checked against local CPU torch over a real WebSocket peer, with random programs of in-place
+and out-of-place integer ops, views, replays and captured steps."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ember  # noqa: E402
+import ember.torch  # noqa: E402,F401
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def stats(dev: ember.Device) -> tuple[int, int]:
+    return dev.session.stats["known_reads"], dev.session.stats["reads"]
+
+
+def packed_check(device: str) -> bool:
+    """Hugging Face's packed-sequence check (masking_utils.find_packed_sequence_indices) on an arange."""
+    pos = torch.arange(0, 32, device=device).unsqueeze(0).expand(8, -1)
+    diff = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1)
+    return bool(((diff != 1).cumsum(-1)[:, -1] == 0).all())
+
+
+def test_a_mask_check_on_an_arange_and_an_upload_asks_the_peer_nothing(torch_peer: str) -> None:
+    ids = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(0))
+    with ember.connect(torch_peer) as dev:
+        assert packed_check("ember") is packed_check("cpu") is True
+        e = ids.to("ember")
+        assert bool((e < 64).all()) and int(e.sum()) == int(ids.sum())
+        assert e[1:3, ::2].cpu().tolist() == ids[1:3, ::2].tolist()  # a view of a known storage
+        assert stats(dev) == (4, 0)
+        f = e.float()  # a float result: never known (its arithmetic may differ between devices)
+        assert float(f.sum()) == float(ids.float().sum()) and stats(dev) == (4, 1)
+
+
+def test_an_in_place_write_makes_the_next_read_ask_the_peer(torch_peer: str) -> None:
+    ids = torch.arange(12).reshape(3, 4)
+    with ember.connect(torch_peer) as dev:
+        e = ids.to("ember")
+        v = e[1]  # a view: the write through it changes the known storage
+        v.add_(100)
+        assert e.tolist() == [[0, 1, 2, 3], [104, 105, 106, 107], [8, 9, 10, 11]]
+        assert stats(dev) == (0, 1)
+        s = e.sum()  # computed after the write, from what the peer holds: not known either
+        assert int(s) == 466 and stats(dev) == (0, 2)
+
+
+def test_an_op_the_cpu_refuses_is_left_to_the_peer(torch_peer: str) -> None:
+    with ember.connect(torch_peer) as dev:
+        a = torch.tensor([6, 7], device="ember")
+        q = a // torch.tensor([3, 0], device="ember")  # integer division by zero: the CPU raises, so not known
+        with pytest.raises(Exception, match="ZeroDivision|division"):
+            q.tolist()
+        assert int(a.sum()) == 13 and stats(dev)[0] == 1
+
+
+def test_a_replayed_capture_that_writes_a_known_tensor_forgets_it(torch_peer: str) -> None:
+    with ember.connect(torch_peer) as dev:
+        counter = torch.zeros(4, dtype=torch.int64).to("ember")
+
+        @ember.torch.capture
+        def bump(c: Any) -> None:
+            c.add_(1)
+        for k in range(4):
+            bump(counter)
+            assert counter.tolist() == [k + 1] * 4
+        assert dev.session.stats["known_reads"] == 0
+
+
+OPS: list[tuple[str, Callable[[Any, Any], Any]]] = [
+    ("add", lambda a, b: a + b), ("mul", lambda a, b: a * b), ("eq", lambda a, b: (a == b).to(a.dtype)),
+    ("cumsum", lambda a, b: a.cumsum(0)), ("where", lambda a, b: torch.where(a > b, a, b)),
+    ("flip", lambda a, b: a.flip(0)), ("cat", lambda a, b: torch.cat([a[:3], b[3:]])),
+    ("masked_fill", lambda a, b: a.masked_fill(b > 5, -1)), ("clone", lambda a, b: a.clone()),
+]
+IN_PLACE: list[tuple[str, Callable[[Any, Any], Any]]] = [
+    ("add_", lambda a, b: a.add_(b)), ("mul_ view", lambda a, b: a[2:5].mul_(3)),
+    ("copy_", lambda a, b: a.copy_(b)), ("fill_ view", lambda a, b: a[::2].fill_(7)),
+    ("masked_fill_", lambda a, b: a.masked_fill_(b > 4, 0)), ("index_put_", lambda a, b: a.index_put_(
+        (torch.tensor([1, 4], device=a.device),), torch.tensor([9, 9], device=a.device))),
+]
+
+
+def random_program(device: str, seed: int) -> list[Any]:
+    """Integer tensors made from constants and uploads, then random ops, in place or not, and reads."""
+    rng = random.Random(seed)
+    pool = [torch.arange(8, device=device), torch.tensor([3, 1, 4, 1, 5, 9, 2, 6]).to(device),
+            torch.zeros(8, dtype=torch.int64, device=device)]
+    seen: list[Any] = []
+    for _ in range(40):
+        a, b = rng.choice(pool), rng.choice(pool)
+        r = rng.random()
+        if r < 0.45:
+            name, fn = rng.choice(OPS)
+            pool.append(fn(a, b))
+        elif r < 0.7:
+            name, fn = rng.choice(IN_PLACE)
+            fn(a, b)
+        elif r < 0.85:
+            seen.append(a.tolist())
+        else:
+            seen.append(int(a[rng.randrange(8)]) + int(a.sum()))
+        if len(pool) > 6:
+            pool.pop(rng.randrange(3, len(pool)))
+    return seen + [t.tolist() for t in pool]
+
+
+def test_random_integer_programs_read_what_local_torch_computes(torch_peer: str) -> None:
+    with ember.connect(torch_peer) as dev:
+        for seed in range(12):
+            assert random_program("ember", seed) == random_program("cpu", seed), seed
+        known, reads = stats(dev)
+    assert known > 20 and reads > 20, (known, reads)  # (both kinds of read happen in these programs)
+
+
+def test_released_tensors_are_forgotten(torch_peer: str) -> None:
+    with ember.connect(torch_peer) as dev:
+        for _ in range(50):
+            t = torch.arange(16, device="ember") * 2
+            assert int(t[3]) == 6
+        del t
+        import gc
+        gc.collect()
+        assert len(dev.session.known) <= 2
