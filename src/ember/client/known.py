@@ -22,6 +22,8 @@ class Knowing:
 
     known: dict[int, Any]
     op_writes: Any
+    #: op names the frontend said write none of their arguments (``record``'s quick test while ids are known)
+    pure: set[str]
 
     def _unknow(self, msg: list[Any]) -> None:
         """Forget the known value (``known``) of every id ``msg`` may write: an op's arguments unless the
@@ -32,6 +34,7 @@ class Knowing:
         if kind == m.OP:
             w = self.op_writes
             if w is not None and w(msg[1]) is False:
+                self.pure.add(msg[1])
                 return
             smask = msg[3]
             for j, a in enumerate(msg[2]):

@@ -92,6 +92,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging, Knowin
         #: id -> the exact bytes of that storage, as a frontend knows them without asking (ember.torch's
         #: ``_known``); an id is forgotten whenever a message may write it (:meth:`_unknow`) or it is released
         self.known: dict[int, Any] = {}
+        self.pure: set[str] = set()
         # op-graph caching: the current group, held or shadow-captured (None: not capturing)
         gcap = int(limits.get("graph_cache", 0))
         self._g_on = bool(graphs) and gcap > 0
@@ -143,7 +144,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging, Knowin
         """Queue one message; flush when the batch is full, arm the idle timer when it starts."""
         if self.lost is not None:
             raise self._lost_error()
-        if self.known:
+        if self.known and not (msg[0] == _OP and msg[1] in self.pure):
             self._unknow(msg)
         with self._lock:
             g = self._grp

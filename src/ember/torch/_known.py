@@ -95,7 +95,7 @@ def _on_cpu(a: Any, known: dict[int, Any], s: Any) -> Any:
         if a.device.type != "ember":
             return a  # (a 0-d CPU tensor mixed in, as ember's dispatch allows)
         r = getattr(a.untyped_storage(), "_ember", None)
-        k = known.get(r.sid) if r is not None and r.session is s and a.dtype in EXACT else None
+        k = _bytes(known, r.sid) if r is not None and r.session is s and a.dtype in EXACT else None
         if k is None:
             raise _Unknown
         return torch.empty(0, dtype=a.dtype).set_(k.untyped_storage(), a.storage_offset(), a.shape, a.stride())
@@ -106,18 +106,26 @@ def _on_cpu(a: Any, known: dict[int, Any], s: Any) -> Any:
     return a
 
 
-def uploaded(r: StorageRef, host: torch.Tensor) -> None:
-    """A small integer or boolean upload (``host``: contiguous, its bytes sent) is known."""
+def uploaded(r: StorageRef, data: Any) -> None:
+    """A small integer or boolean upload is known: ``data``, its bytes as sent (a NumPy ``uint8`` view), kept
+    as ``bytes`` until a read or an op needs them as a tensor (:func:`_bytes`)."""
     known = getattr(r.session, "known", None)
-    if known is not None and host.dtype in EXACT and host.numel() * host.element_size() <= KNOWN_MAX \
-            and len(known) < MAX_ENTRIES:
-        known[r.sid] = host.reshape(-1).view(torch.uint8).clone()
+    if known is not None and data.nbytes <= KNOWN_MAX and len(known) < MAX_ENTRIES:
+        known[r.sid] = data.tobytes()
+
+
+def _bytes(known: dict[int, Any], sid: int) -> Any:
+    """The known bytes of ``sid`` as a CPU ``uint8`` tensor (made once from an upload's ``bytes``), or None."""
+    k = known.get(sid)
+    if type(k) is bytes:
+        k = known[sid] = torch.frombuffer(bytearray(k), dtype=torch.uint8) if k else torch.empty(0, dtype=torch.uint8)
+    return k
 
 
 def value(t: torch.Tensor, r: StorageRef) -> torch.Tensor | None:
     """``t``'s value as a CPU tensor when its storage is known (a view of the known bytes), else None."""
     known = getattr(r.session, "known", None)
-    k = known.get(r.sid) if known else None
+    k = _bytes(known, r.sid) if known else None
     if k is None or r.session.lost is not None:
         return None
     try:

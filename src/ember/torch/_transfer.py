@@ -48,10 +48,11 @@ def upload(src: torch.Tensor, dev: Device) -> torch.Tensor:
         host = src.detach().resolve_conj().resolve_neg().contiguous()
     s = dev.session
     nbytes = host.numel() * host.element_size()  # (an upload that rides in the batch shows no progress)
-    sid = s.upload(_bytes_of(host), None if nbytes <= m.INLINE_DATA else choose(None, nbytes))
+    data = _bytes_of(host)
+    sid = s.upload(data, None if nbytes <= m.INLINE_DATA else choose(None, nbytes))
     r = StorageRef(sid, s, dev)
     if host.dtype in _known.EXACT:
-        _known.uploaded(r, host)
+        _known.uploaded(r, data)
     return new_tensor(host.dtype, host.shape, host.stride(), 0, ref=r)
 
 
@@ -66,9 +67,10 @@ def copy_from_host(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     r = ref_of(dst)
     s = live_session(r)
     if _covers_storage(dst):
-        new = StorageRef(s.upload(_bytes_of(host), choose(None, host.numel() * host.element_size())), s, r.device)
+        data = _bytes_of(host)
+        new = StorageRef(s.upload(data, choose(None, host.numel() * host.element_size())), s, r.device)
         if host.dtype in _known.EXACT:
-            _known.uploaded(new, host)
+            _known.uploaded(new, data)
         dst.untyped_storage()._ember = new  # the old id (if it ever existed) is dropped with its ref
         return dst
     tmp = upload(host, r.device)
