@@ -16,7 +16,7 @@ import ember  # noqa: E402
 import ember.torch  # noqa: E402,F401
 from ember.protocol import messages as m  # noqa: E402
 from ember.server.execute.program import Program  # noqa: E402
-from tests.test_peer_program import floats, interpreter, storage  # noqa: E402
+from test_peer_program import floats, interpreter, storage  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
