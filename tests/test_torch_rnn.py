@@ -81,17 +81,40 @@ def test_an_rnn_training_step_costs_no_round_trip(kind: str) -> None:
         assert loss.item() < first
 
 
-def test_cells_used_directly_equal_local_cpu() -> None:
-    for cell in (nn.LSTMCell, nn.GRUCell):
-        torch.manual_seed(0)
-        c = cell(5, 7)
-        x, h = torch.randn(3, 5), torch.randn(3, 7)
-        state = (h, torch.randn(3, 7)) if cell is nn.LSTMCell else h
-        want = c(x, state)
-        e = c.to("ember")
-        got = e(x.to("ember"), tuple(s.to("ember") for s in state) if isinstance(state, tuple) else state.to("ember"))
-        for w, g in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
-            torch.testing.assert_close(g.cpu(), w.detach(), rtol=1e-6, atol=1e-6)
+def cell_run(cell: Any, device: str, bias: bool, dtype: Any, unbatched: bool) -> tuple[list[Any], list[Any]]:
+    """Six steps of a cell (its state carried), a sum of the states as the loss, backward: (outputs, grads)."""
+    torch.manual_seed(0)
+    c = cell(5, 7, bias=bias).to(dtype).to(device)
+    xs = torch.randn(6, 5, dtype=dtype) if unbatched else torch.randn(6, 3, 5, dtype=dtype)
+    h = torch.randn(xs.shape[1:-1] + (7,), dtype=dtype).to(device)
+    state = (h, torch.randn(h.shape, dtype=dtype).to(device)) if cell is nn.LSTMCell else h
+    outs, loss = [], 0
+    for x in xs.to(device):
+        state = c(x, state)
+        outs.append(state[0] if isinstance(state, tuple) else state)
+        loss = loss + outs[-1].sum()
+    loss.backward()
+    return [o.detach().cpu() for o in outs], [p.grad.cpu() for p in c.parameters()]
+
+
+@pytest.mark.parametrize("cell", [nn.LSTMCell, nn.GRUCell], ids=["lstm_cell", "gru_cell"])
+def test_cells_used_directly_are_bit_equal_to_local_cpu(cell: Any) -> None:
+    """On a CPU peer the cells take CPU torch's path (torch's own composite takes the fused cells on any other
+    device, as on CUDA: other rounding; torch/_rnn.py): outputs and gradients bit-equal, with and without
+    biases, float32 and float64, batched or not. A malformed call fails as on CPU."""
+    for bias in (True, False):
+        for dtype in (torch.float32, torch.float64):
+            for unbatched in (False, True):
+                want = cell_run(cell, "cpu", bias, dtype, unbatched)
+                got = cell_run(cell, "ember", bias, dtype, unbatched)
+                assert all(torch.equal(a, b) for a, b in zip(want[0] + want[1], got[0] + got[1])), (bias, dtype)
+    c = cell(5, 7)
+    errors = []
+    for device in ("cpu", "ember"):
+        with pytest.raises(RuntimeError) as e:
+            c.to(device)(torch.randn(3, 4).to(device))  # input size 4 where the cell takes 5
+        errors.append(str(e.value).split("\n")[0])
+    assert errors[0] == errors[1]
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -1,4 +1,12 @@
-"""``nn.LSTM`` on a CPU peer as CPU torch runs it: one oneDNN layer op per layer and direction.
+"""``nn.LSTM``, ``nn.LSTMCell`` and ``nn.GRUCell`` on a CPU peer as CPU torch runs them.
+
+The cells (``aten::lstm_cell``, ``aten::gru_cell``) are composites that take a fused kernel
+(``_thnn_fused_lstm_cell``, ``_thnn_fused_gru_cell``) on any device but the CPU, as on CUDA: other
+rounding than CPU torch's (1e-17 in a float64 model's gradients, pytorch/examples'
+time_sequence_prediction). On a CPU peer, :func:`lstm_cell` and :func:`gru_cell` run CPU's path instead,
+``RNN.cpp``'s ``LSTMCell`` / ``GRUCell``: the same ops in the same order, so bit-equal results.
+
+The layer: one oneDNN layer op per layer and direction.
 
 ``aten::lstm.input`` is a composite that picks its path by device: on a CPU tensor (float32, oneDNN
 enabled) it runs ``mkldnn_rnn_layer`` per layer and direction, whose backward is one
@@ -83,11 +91,54 @@ def lstm(input: Tensor, hx: list[Tensor], params: list[Tensor], has_biases: bool
     return out, torch.stack(hy, 0), torch.stack(cy, 0)
 
 
+def _cell_ok(input: Tensor, hx: list[Tensor], w_ih: Tensor, w_hh: Tensor, gates: int) -> bool:  # noqa: A002
+    """A batched cell call CPU torch would take its composite path for, on a CPU peer, not under autocast
+    (anything else, malformed calls included, goes to torch's own composite, which says what is wrong)."""
+    if input.dim() != 2 or w_ih.dim() != 2 or w_hh.dim() != 2 or any(h.dim() != 2 for h in hx):
+        return False
+    n, hidden = input.shape[0], w_hh.shape[1]
+    return (input.shape[1] == w_ih.shape[1] and w_ih.shape[0] == w_hh.shape[0] == gates * hidden
+            and all(tuple(h.shape) == (n, hidden) for h in hx)
+            and not torch.is_autocast_enabled(input.device.type) and _cpu_peer(input))
+
+
+def lstm_cell(input: Tensor, hx: list[Tensor], w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None = None,  # noqa: A002
+              b_hh: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``aten::lstm_cell`` (``nn.LSTMCell``) on ember tensors. Torch's composite runs the fused cell
+    (``_thnn_fused_lstm_cell``) for any device but the CPU, as on CUDA; on a CPU peer this runs CPU's path,
+    ``RNN.cpp``'s ``LSTMCell`` (the same ops in the same order: results bit-equal to local CPU torch)."""
+    if len(hx) != 2 or not _cell_ok(input, hx, w_ih, w_hh, 4):
+        return aten.lstm_cell.default._op_dk(_COMPOSITE, input, hx, w_ih, w_hh, b_ih, b_hh)
+    h, c = hx
+    gates = aten.linear.default(h, w_hh, b_hh).add_(aten.linear.default(input, w_ih, b_ih))
+    i, f, g, o = gates.unsafe_chunk(4, 1)
+    i, f, g, o = i.sigmoid_(), f.sigmoid_(), g.tanh_(), o.sigmoid_()  # (in this order, as CPU torch)
+    cy = (f * c).add_(i * g)
+    return o * cy.tanh(), cy
+
+
+def gru_cell(input: Tensor, hx: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None = None,  # noqa: A002
+             b_hh: Tensor | None = None) -> Tensor:
+    """``aten::gru_cell`` (``nn.GRUCell``) on ember tensors: on a CPU peer, ``RNN.cpp``'s ``GRUCell`` as CPU torch
+    runs it (torch's composite takes ``_thnn_fused_gru_cell`` for any device but the CPU)."""
+    if not _cell_ok(input, [hx], w_ih, w_hh, 3):
+        return aten.gru_cell.default._op_dk(_COMPOSITE, input, hx, w_ih, w_hh, b_ih, b_hh)
+    igates = aten.linear.default(input, w_ih, b_ih).unsafe_chunk(3, 1)
+    hgates = aten.linear.default(hx, w_hh, b_hh).unsafe_chunk(3, 1)
+    reset_gate = hgates[0].add_(igates[0]).sigmoid_()
+    input_gate = hgates[1].add_(igates[1]).sigmoid_()
+    new_gate = igates[2].add(hgates[2].mul_(reset_gate)).tanh_()
+    return (hx - new_gate).mul_(input_gate).add_(new_gate)
+
+
 def install() -> Any:
-    """Register :func:`lstm` for ember tensors; returns the library (the registration lives as long as it)."""
+    """Register :func:`lstm`, :func:`lstm_cell` and :func:`gru_cell` for ember tensors; returns the library
+    (the registrations live as long as it)."""
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("lstm.input", lstm, "AutogradPrivateUse1")
+    lib.impl("lstm_cell", lstm_cell, "AutogradPrivateUse1")
+    lib.impl("gru_cell", gru_cell, "AutogradPrivateUse1")
     return lib
 
 
-__all__ = ["install", "lstm", "takes_onednn"]
+__all__ = ["install", "lstm", "lstm_cell", "gru_cell", "takes_onednn"]
