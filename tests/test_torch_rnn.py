@@ -99,8 +99,9 @@ def cell_run(cell: Any, device: str, bias: bool, dtype: Any, unbatched: bool) ->
 
 @pytest.mark.parametrize("cell", [nn.LSTMCell, nn.GRUCell], ids=["lstm_cell", "gru_cell"])
 def test_cells_used_directly_are_bit_equal_to_local_cpu(cell: Any) -> None:
-    """On a CPU peer the cells take CPU torch's path (torch's own composite takes the fused cells on any other
-    device, as on CUDA: other rounding; torch/_rnn.py): outputs and gradients bit-equal, with and without
+    """Torch's composite takes the fused cells on any device but the CPU, as on CUDA; on a CPU peer the client
+    makes the gates with addmm as CPU torch does (torch/_rnn.py) and the peer's fused cell kernels compute the
+    rest with CPU's rounding (server/execute/rnn_cells.py): outputs and gradients bit-equal, with and without
     biases, float32 and float64, batched or not. A malformed call fails as on CPU."""
     for bias in (True, False):
         for dtype in (torch.float32, torch.float64):

@@ -1,10 +1,11 @@
 """``nn.LSTM``, ``nn.LSTMCell`` and ``nn.GRUCell`` on a CPU peer as CPU torch runs them.
 
 The cells (``aten::lstm_cell``, ``aten::gru_cell``) are composites that take a fused kernel
-(``_thnn_fused_lstm_cell``, ``_thnn_fused_gru_cell``) on any device but the CPU, as on CUDA: other
-rounding than CPU torch's (1e-17 in a float64 model's gradients, pytorch/examples'
-time_sequence_prediction). On a CPU peer, :func:`lstm_cell` and :func:`gru_cell` run CPU's path instead,
-``RNN.cpp``'s ``LSTMCell`` / ``GRUCell``: the same ops in the same order, so bit-equal results.
+(``_thnn_fused_lstm_cell``, ``_thnn_fused_gru_cell``) on any device but the CPU, as on CUDA, adding the
+biases inside it, where CPU torch adds them inside ``addmm``: other rounding (1e-17 in a float64 model's
+gradients, pytorch/examples' time_sequence_prediction). On a CPU peer, :func:`lstm_cell` and
+:func:`gru_cell` make the gates with ``addmm`` as CPU torch does and hand them to the fused cell without
+biases; the peer's fused kernels compute the rest with CPU's rounding. Bit-equal results, three ops.
 
 The layer: one oneDNN layer op per layer and direction.
 
@@ -104,31 +105,26 @@ def _cell_ok(input: Tensor, hx: list[Tensor], w_ih: Tensor, w_hh: Tensor, gates:
 
 def lstm_cell(input: Tensor, hx: list[Tensor], w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None = None,  # noqa: A002
               b_hh: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``aten::lstm_cell`` (``nn.LSTMCell``) on ember tensors. Torch's composite runs the fused cell
-    (``_thnn_fused_lstm_cell``) for any device but the CPU, as on CUDA; on a CPU peer this runs CPU's path,
-    ``RNN.cpp``'s ``LSTMCell`` (the same ops in the same order: results bit-equal to local CPU torch)."""
+    """``aten::lstm_cell`` (``nn.LSTMCell``) on ember tensors. Torch's composite takes the fused cell for any
+    device but the CPU, as on CUDA, with the biases added inside it; CPU torch adds them inside ``addmm``
+    (``RNN.cpp``'s ``LSTMCell``: ``linear_hh(hx).add_(linear_ih(input))``), which rounds otherwise. On a CPU
+    peer this makes the gates as CPU does and gives them to the fused cell without biases, whose kernel
+    computes the rest with CPU's rounding (``server/execute/rnn_cells.py``): bit-equal, and three ops."""
     if len(hx) != 2 or not _cell_ok(input, hx, w_ih, w_hh, 4):
         return aten.lstm_cell.default._op_dk(_COMPOSITE, input, hx, w_ih, w_hh, b_ih, b_hh)
-    h, c = hx
-    gates = aten.linear.default(h, w_hh, b_hh).add_(aten.linear.default(input, w_ih, b_ih))
-    i, f, g, o = gates.unsafe_chunk(4, 1)
-    i, f, g, o = i.sigmoid_(), f.sigmoid_(), g.tanh_(), o.sigmoid_()  # (in this order, as CPU torch)
-    cy = (f * c).add_(i * g)
-    return o * cy.tanh(), cy
+    hy, cy, _ = aten._thnn_fused_lstm_cell.default(aten.linear.default(input, w_ih, b_ih),
+                                                   aten.linear.default(hx[0], w_hh, b_hh), hx[1])
+    return hy, cy
 
 
 def gru_cell(input: Tensor, hx: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor | None = None,  # noqa: A002
              b_hh: Tensor | None = None) -> Tensor:
-    """``aten::gru_cell`` (``nn.GRUCell``) on ember tensors: on a CPU peer, ``RNN.cpp``'s ``GRUCell`` as CPU torch
-    runs it (torch's composite takes ``_thnn_fused_gru_cell`` for any device but the CPU)."""
+    """``aten::gru_cell`` (``nn.GRUCell``) on ember tensors, as :func:`lstm_cell`: the gates made as CPU torch
+    makes them (``addmm`` with the biases), then the fused cell without biases."""
     if not _cell_ok(input, [hx], w_ih, w_hh, 3):
         return aten.gru_cell.default._op_dk(_COMPOSITE, input, hx, w_ih, w_hh, b_ih, b_hh)
-    igates = aten.linear.default(input, w_ih, b_ih).unsafe_chunk(3, 1)
-    hgates = aten.linear.default(hx, w_hh, b_hh).unsafe_chunk(3, 1)
-    reset_gate = hgates[0].add_(igates[0]).sigmoid_()
-    input_gate = hgates[1].add_(igates[1]).sigmoid_()
-    new_gate = igates[2].add(hgates[2].mul_(reset_gate)).tanh_()
-    return (hx - new_gate).mul_(input_gate).add_(new_gate)
+    return aten._thnn_fused_gru_cell.default(aten.linear.default(input, w_ih, b_ih),
+                                             aten.linear.default(hx, w_hh, b_hh), hx)[0]
 
 
 def install() -> Any:

@@ -6,8 +6,10 @@ path: ``_thnn_fused_lstm_cell``, ``_thnn_fused_gru_cell`` and their backwards. A
 tensor is such a device, but torch has no CPU kernel for any of the four and no meta kernel for
 the GRU pair, so a peer could not run them and the client could not infer their shapes. These
 compositions of plain ATen ops follow the CUDA kernels (``aten/src/ATen/native/cuda/RNN.cu``)
-gate by gate, workspace layout included, so forward and backward agree wherever they run.
-Results equal local CPU torch to rounding (CPU's own cell adds the biases inside ``addmm``).
+gate by gate, workspace layout included, so forward and backward agree wherever they run. Their
+arithmetic is CPU torch's own cell's (``RNN.cpp``'s ``LSTMCell`` / ``GRUCell`` and autograd's backward of
+it), rounding for rounding: biases added as ``addmm`` adds them, no fused multiply-adds, the gradients
+summed as autograd sums them; so the cells on a CPU peer are bit-equal to local CPU torch.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ _sigmoid_bw, _tanh_bw = torch.ops.aten.sigmoid_backward.default, torch.ops.aten.
 def lstm_cell(input_gates: Tensor, hidden_gates: Tensor, cx: Tensor, input_bias: Tensor | None = None,
               hidden_bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(hy, cy, workspace)``; the workspace holds the four activated gates ``[i, f, g, o]``."""
-    gates = input_gates + hidden_gates
-    if input_bias is not None and hidden_bias is not None:
-        gates = gates + input_bias + hidden_bias
+    if input_bias is not None and hidden_bias is not None:  # (as CPU's addmm(b_hh, ...).add_(addmm(b_ih, ...)))
+        gates = (hidden_gates + hidden_bias) + (input_gates + input_bias)
+    else:
+        gates = hidden_gates + input_gates
     i, f, g, o = gates.chunk(4, 1)  # activated in place: ``gates`` (a fresh sum) becomes the workspace
     i.sigmoid_(), f.sigmoid_(), g.tanh_(), o.sigmoid_()
-    cy = torch.addcmul(f * cx, i, g)
+    cy = (f * cx).add_(i * g)  # (two roundings, as CPU's cell: addcmul may fuse them into one)
     return o * cy.tanh(), cy, gates
 
 
@@ -52,21 +55,27 @@ def lstm_cell_backward_impl(grad_hy: Tensor | None, grad_cy: Tensor | None, cx: 
 
 def gru_cell(input_gates: Tensor, hidden_gates: Tensor, hx: Tensor, input_bias: Tensor | None = None,
              hidden_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``(hy, workspace)``; the workspace holds ``[r, z, n, hx, hn + b_hn]``."""
+    """``(hy, workspace)``; the workspace holds ``[r, z, n, hx, hn + b_hn]``. The activations run in place on the
+    gates' column blocks, as CPU's cell runs them: an elementwise kernel over a strided block rounds its
+    transcendentals as over that block, not as over a contiguous copy."""
     if input_bias is not None and hidden_bias is not None:
-        input_gates, hidden_gates = input_gates + input_bias, hidden_gates + hidden_bias
-    ir, iz, in_ = input_gates.chunk(3, 1)
-    hr, hz, hn = hidden_gates.chunk(3, 1)
-    r, z = (ir + hr).sigmoid(), (iz + hz).sigmoid()
-    n = (in_ + r * hn).tanh()
-    return torch.addcmul(n, z, hx - n), torch.cat([r, z, n, hx, hn], 1)
+        ig, hg = input_gates + input_bias, hidden_gates + hidden_bias
+    else:
+        ig, hg = input_gates, hidden_gates.clone()  # (hg is written in place below)
+    ir, iz, in_ = ig.unsafe_chunk(3, 1)
+    hr, hz, hn = hg.unsafe_chunk(3, 1)
+    r = hr.add_(ir).sigmoid_()
+    z = hz.add_(iz).sigmoid_()
+    hn0 = hn.clone()
+    n = in_.add(hn.mul_(r)).tanh_()
+    return (hx - n).mul_(z).add_(n), torch.cat([r, z, n, hx, hn0], 1)  # (CPU's cell's roundings, no addcmul)
 
 
 def gru_cell_backward(grad_hy: Tensor, workspace: Tensor, has_bias: bool) -> tuple[Any, ...]:
     """``(grad_input_gates, grad_hidden_gates, grad_hx, grad_input_bias, grad_hidden_bias)``."""
     r, z, n, hx, hn = workspace.chunk(5, 1)
     gz = _sigmoid_bw(grad_hy * (hx - n), z)
-    gn = _tanh_bw(grad_hy * torch.rsub(z, 1), n)
+    gn = _tanh_bw(grad_hy - grad_hy * z, n)  # (n's two gradients as autograd sums them for CPU's cell)
     gr = _sigmoid_bw(gn * hn, r)
     gi, gh = torch.cat([gr, gz, gn], 1), torch.cat([gr, gz, gn * r], 1)
     return gi, gh, grad_hy * z, gi.sum(0) if has_bias else None, gh.sum(0) if has_bias else None
