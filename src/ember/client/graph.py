@@ -282,25 +282,22 @@ class GraphEntry:
 
     def overrides(self, scalars: list[Any]) -> list[Any]:
         """``[index, value, ...]`` for every scalar that differs (in value or type) from the registered one."""
-        out: list[Any] = []
-        for i, (v, d) in enumerate(zip(scalars, self.defaults)):
-            if v != d or type(v) is not type(d):
-                out.append(i)
-                out.append(v)
-        return out
-
+        return _changes(scalars, self.defaults)
 
     def moved(self, offsets: list[int]) -> list[int] | None:
         """A REPLAY's ``offsets`` (``[index, offset, ...]`` for each that differs from the registered one), or
         None for a graph that moves no layout."""
-        if not self.offsets:
-            return None
-        out: list[int] = []
-        for i, (v, d) in enumerate(zip(offsets, self.offsets)):
-            if v != d:
-                out.append(i)
-                out.append(v)
-        return out
+        return _changes(offsets, self.offsets) if self.offsets else None
+
+
+def _changes(values: list[Any], registered: list[Any]) -> list[Any]:
+    """``[index, value, ...]`` for every value that differs (in value or type) from the registered one."""
+    out: list[Any] = []
+    for i, (v, d) in enumerate(zip(values, registered)):
+        if v != d or type(v) is not type(d):
+            out.append(i)
+            out.append(v)
+    return out
 
 
 class Candidate:

@@ -244,10 +244,10 @@ class GroupHolding:
             c.split = None
             return False
         self._grp, self._cand, self._grp_drops, self._timed_out = [], None, [], None
-        self._append_replay(ea, k, ka.inputs, ka.kept_ids, ea.overrides(ka.scalars), ea.moved(ka.offsets))
+        self._replay_held(ea, k, ka)
         p = self._pending
         p.append(msg)
-        self._append_replay(eb, len(b), kb.inputs, kb.kept_ids, eb.overrides(kb.scalars), eb.moved(kb.offsets))
+        self._replay_held(eb, len(b), kb)
         self._after_read = len(b) + 2  # (the work sent after the read: client/exchange.py's estimate of its wait)
         if self._drops:
             self._drops_after(p, ka.elide | kb.elide)
@@ -259,7 +259,7 @@ class GroupHolding:
         e = self._entry(c, k)
         if e is None:  # id collision with another body: this group is not cached
             return False
-        p = self._append_replay(e, c.n, k.inputs, k.kept_ids, e.overrides(k.scalars), e.moved(k.offsets))
+        p = self._replay_held(e, c.n, k)
         if k.elide:
             self._drops_after(p, k.elide)
         if len(p) >= self.max_batch:  # (every caller flushes or arms the idle timer next)
@@ -293,6 +293,11 @@ class GroupHolding:
         if k is not None:
             k.movable = self._g_offsets
         return k
+
+    def _replay_held(self, e: Any, n_ops: int, k: Any) -> list[Any]:
+        """Append a REPLAY of graph entry ``e`` for held ops whose canonical form is ``k`` (its bindings: inputs,
+        kept ids, changed scalars and offsets); returns the batch."""
+        return self._append_replay(e, n_ops, k.inputs, k.kept_ids, e.overrides(k.scalars), e.moved(k.offsets))
 
     def _append_replay(self, e: Any, n_ops: int, inputs: list[int], outs: list[Any], overrides: list[Any],
                        offsets: list[int] | None = None) -> list[Any]:

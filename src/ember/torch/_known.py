@@ -6,16 +6,16 @@ Hugging Face's masks check ``position_ids`` (an ``arange``) for packed sequences
 read used to be a round trip that waited for everything sent before it (the previous step's optimizer
 step), and a boundary that cut the step's op group in two.
 
-A storage is *known* when the client holds its exact bytes (``ClientSession.known``: id -> a CPU ``uint8``
-tensor): a small upload of integer or boolean data, or the dense result of a call of an *exact* overload
-(``OpInfo.exact``: pointwise, or a creation, a reduction or a data movement whose integer result does not
-depend on the device, and that writes and draws nothing) with an integer or boolean result whose every
-tensor operand is known and integer or boolean. That call also runs on CPU torch here, at record time,
-on views of the known bytes; the op still goes to the peer as always. ``.item()`` / ``bool()`` /
-``.cpu()`` of a known storage read those bytes: no round trip, no boundary.
+A storage is *known* when the client holds its exact bytes (``ClientSession.known``: id -> those bytes, as
+``bytes`` or, once used, a CPU ``uint8`` tensor): a small upload of integer or boolean data, or the dense
+result of a call of an *exact* overload (``OpInfo.exact``: pointwise, or a creation, a reduction or a data
+movement whose integer result does not depend on the device, and that writes and draws nothing) with an
+integer or boolean result whose every tensor operand is known and integer or boolean. That call also runs
+on CPU torch here, at record time, on views of the known bytes; the op still goes to the peer as always.
+``.item()`` / ``bool()`` / ``.cpu()`` of a known storage read those bytes: no round trip, no boundary.
 
 Knowledge never outlives the bytes it mirrors: the session forgets an id whenever a message might write it
-(an op that may write its arguments, a replay, a transfer: ``ClientSession._unknow``) or it is released.
+(an op that may write its arguments, a replay, a transfer: ``client/known.py``) or it is released.
 Integer arithmetic is exact on every device, so the bytes are the peer's. One difference remains: an op the
 peer refuses (over its memory budget, say) poisons the id there, and a read of the known value still returns
 it here; the error comes with the next read of what depends on it.
@@ -98,7 +98,7 @@ def _on_cpu(a: Any, known: dict[int, Any], s: Any) -> Any:
         k = _bytes(known, r.sid) if r is not None and r.session is s and a.dtype in EXACT else None
         if k is None:
             raise _Unknown
-        return torch.empty(0, dtype=a.dtype).set_(k.untyped_storage(), a.storage_offset(), a.shape, a.stride())
+        return _view(k, a)
     if isinstance(a, (list, tuple)):
         return type(a)(_on_cpu(x, known, s) for x in a)
     if isinstance(a, torch.device) and a.type == "ember":
@@ -122,6 +122,11 @@ def _bytes(known: dict[int, Any], sid: int) -> Any:
     return k
 
 
+def _view(k: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t``'s layout (dtype, size, stride, offset) over the known bytes ``k``, a CPU tensor."""
+    return torch.empty(0, dtype=t.dtype).set_(k.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
 def value(t: torch.Tensor, r: StorageRef) -> torch.Tensor | None:
     """``t``'s value as a CPU tensor when its storage is known (a view of the known bytes), else None."""
     known = getattr(r.session, "known", None)
@@ -129,7 +134,7 @@ def value(t: torch.Tensor, r: StorageRef) -> torch.Tensor | None:
     if k is None or r.session.lost is not None:
         return None
     try:
-        v = torch.empty(0, dtype=t.dtype).set_(k.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        v = _view(k, t)
     except RuntimeError:  # (a layout past the known bytes: the peer says what is wrong)
         return None
     r.session.stats["known_reads"] += 1
