@@ -52,6 +52,7 @@ from ..client.graph import canon
 from ..protocol import aten as A
 from ..protocol.messages import OP as _OP
 from . import _dispatch as D
+from . import _optfast
 from ._capture import CaptureWarning, _Tap, recording
 from ._devices import materialize
 from ._meta import _ITEMSIZE
@@ -60,10 +61,13 @@ from ._storage import StorageRef, dtype_name, new_tensor, ref_or_none, set_layou
 
 TRIES = 4  # steps in a row that do not replay before an optimizer's steps run eagerly for good
 PLANS = 8  # recorded steps kept per optimizer (one per pattern of grads that are None), oldest dropped
-#: steps recorded, steps replayed, steps run eagerly for good, replays that ended in an eager step
-stats = {"recorded": 0, "replays": 0, "eager": 0, "diverged": 0}
+#: steps recorded, steps replayed, steps run eagerly for good, replays that ended in an eager step, and of the
+#: replays those that ran no optimizer Python (a trusted host model's: :mod:`._optfast`)
+stats = {"recorded": 0, "replays": 0, "eager": 0, "diverged": 0, "modelled": 0}
 _OFF = ("0", "false", "no", "off")
 _enabled = [os.environ.get("EMBER_CAPTURE_OPTIMIZER", "1").strip().lower() not in _OFF]
+#: replays by a trusted host model (:mod:`._optfast`); ``EMBER_OPTIMIZER_MODEL=0``: always guided
+_optfast_on = [os.environ.get("EMBER_OPTIMIZER_MODEL", "1").strip().lower() not in _OFF]
 _T, _TL, _S, _SL = A.TENSOR, A.TENSOR_LIST, A.SCALAR, A.SCALAR_LIST
 _NUMBER = (bool, int, float, complex)
 _ident = threading.get_ident
@@ -219,6 +223,9 @@ class _Plan:
                 slot, k = slot + n_outs, k + 1
         self.fresh_each_step = not all(call.sends for call in calls)  # (a view may relayout a placeholder)
         self.placeholders: tuple[list[list[Any]], dict[int, int]] | None = None
+        #: the step's host model once trusted (``_optfast``); guided replays it agreed with; False: none fits
+        self.model: _optfast.HostModel | None | bool = None
+        self.agreed = self.misses = self.drops = 0
 
     def take_placeholders(self) -> tuple[list[list[Any]], dict[int, int]]:
         """Per call, its fresh results as placeholders (pending storages: never on the peer), and the slot of
@@ -427,6 +434,16 @@ class _OptimizerCapture:
         return out
 
     def replay(self, plan: _Plan, key: Any, func: Callable[..., Any], opt: Optimizer) -> Any:
+        model = plan.model
+        if model and _optfast_on[0]:
+            got = model.step(opt)  # type: ignore[union-attr]
+            if got is not None:  # (the step's Python would make the recorded calls: not run)
+                D.counters["ops"] += len(plan.calls)
+                self.send(plan, *got)
+                stats["modelled"] += 1
+                return None  # (what Adam.step returns without a closure)
+            plan.drops += 1  # (something changed: learnt again from the guided replays, up to DROPS times)
+            plan.model, plan.agreed = None if plan.drops < _optfast.DROPS else False, 0
         g = _Guide(plan)
         D.guide = g
         try:
@@ -445,20 +462,34 @@ class _OptimizerCapture:
             del self.plans[key]
             self.missed(f"differs from its recording ({g.differs})", opt)
             return out
+        self.send(plan, g.bind, g.scalars)
+        if plan.model is None and _optfast_on[0]:  # (does a host model predict this step? trusted after AGREE)
+            m = _optfast.learn(func, opt, plan.session, g.bind, g.scalars)
+            if m is None:
+                plan.agreed, plan.misses = 0, plan.misses + 1
+                if plan.misses >= _optfast.TRIES:
+                    plan.model = False  # (no model predicts this step: never asked again)
+            else:
+                plan.agreed += 1
+                if plan.agreed >= _optfast.AGREE:
+                    plan.model = m
+        return out
+
+    def send(self, plan: _Plan, bound: list[Any], scalars: list[list[Any]]) -> None:
+        """The replayed step goes out: into the op group when it has room, else as a REPLAY of its graph."""
         s = plan.session
         if s.lost is not None:
             raise s._lost_error()
-        for r in g.bind:
-            if r.pending is not None:  # type: ignore[union-attr]
-                materialize(r)  # type: ignore[arg-type]
-        bind = [r.sid for r in g.bind]  # type: ignore[union-attr]
+        for r in bound:
+            if r.pending is not None:
+                materialize(r)
+        bind = [r.sid for r in bound]
         if plan.n_ops <= s.group_room():
-            _into_group(s, plan.canon, bind, g.scalars)
+            _into_group(s, plan.canon, bind, scalars)
         else:
-            s.replay_graph(plan.entry, plan.n_ops, bind, [], plan.entry.overrides(g.scalars))
+            s.replay_graph(plan.entry, plan.n_ops, bind, [], plan.entry.overrides(scalars))
         stats["replays"] += 1
         self.misses = 0
-        return out
 
     def missed(self, why: str, opt: Optimizer) -> None:
         self.misses += 1
