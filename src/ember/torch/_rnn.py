@@ -65,6 +65,12 @@ def lstm(input: Tensor, hx: list[Tensor], params: list[Tensor], has_biases: bool
     """``aten::lstm.input`` on ember tensors (see the module's docstring)."""
     per, dirs = 4 if has_biases else 2, 2 if bidirectional else 1
     if not takes_onednn(input, hx, params, per * num_layers * dirs):
+        if len(hx) == 2 and _layers_ok(input, [*hx], params, per * num_layers * dirs) \
+                and hx[0].shape[2] == hx[1].shape[2]:  # (no projections)
+            pairs = list(zip(hx[0].unbind(0), hx[1].unbind(0)))
+            out, last = _stack(_lstm_step, input, pairs, params, has_biases, num_layers, dropout, train,
+                               bidirectional, batch_first)
+            return out, torch.stack([h for h, _ in last], 0), torch.stack([c for _, c in last], 0)
         return aten.lstm.input._op_dk(_COMPOSITE, input, hx, params, has_biases, num_layers, dropout, train,
                                       bidirectional, batch_first)
     x = (input.transpose(0, 1) if batch_first else input).contiguous()
@@ -90,6 +96,80 @@ def lstm(input: Tensor, hx: list[Tensor], params: list[Tensor], has_biases: bool
             x = torch.dropout(x, dropout, True)
     out = x.transpose(0, 1) if batch_first else x
     return out, torch.stack(hy, 0), torch.stack(cy, 0)
+
+
+def _layers_ok(input: Tensor, hx: list[Tensor], params: list[Tensor], n_params: int) -> bool:  # noqa: A002
+    """A layer call on a CPU peer that CPU torch would run as its own composite (``RNN.cpp``'s ``FullLayer``):
+    batched, one dtype, not under autocast, well formed (else torch's composite, which says what is wrong)."""
+    return (input.dim() == 3 and input.shape[0] > 0 and len(params) == n_params and all(h.dim() == 3 for h in hx)
+            and all(t.dtype is input.dtype for t in (*hx, *params)) and input.dtype.is_floating_point
+            and not torch.is_autocast_enabled(input.device.type) and _cpu_peer(input))
+
+
+def _stack(step: Any, input: Tensor, hiddens: list[Any], params: list[Tensor], has_biases: bool,  # noqa: A002
+           num_layers: int, dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple[Any, Any]:
+    """CPU torch's layer stack for an RNN of cells ``step`` (``_rnn_impl`` with ``FullLayer``): per layer and
+    direction, every time step's input projection in one ``linear`` over the whole sequence, then the cell per
+    step on its row. On any other device torch projects step by step, which rounds otherwise. Returns (the
+    output, each layer's and direction's final hidden)."""
+    per, dirs = 4 if has_biases else 2, 2 if bidirectional else 1
+    x = input.transpose(0, 1) if batch_first else input
+    last: list[Any] = []
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            k = layer * dirs + d
+            w = params[k * per:(k + 1) * per]
+            b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
+            rows = aten.linear.default(x, w[0], b_ih).unbind(0)
+            h, ys = hiddens[k], []
+            for row in (reversed(rows) if d else rows):
+                h = step(row, h, w[1], b_hh)
+                ys.append(h[0] if type(h) is tuple else h)
+            outs.append(torch.stack(ys[::-1] if d else ys, 0))
+            last.append(h)
+        x = outs[0] if dirs == 1 else torch.cat(outs, outs[0].dim() - 1)
+        if dropout != 0 and train and layer < num_layers - 1:
+            x = torch.dropout(x, dropout, True)
+    if batch_first:
+        x.transpose_(0, 1)
+    return x, last
+
+
+def _lstm_step(row: Tensor, h: tuple[Tensor, Tensor], w_hh: Tensor, b_hh: Tensor | None) -> tuple[Tensor, Tensor]:
+    """CPU's ``LSTMCell`` on a projected input row: ``linear_hh(hx).add_(row)``, then the gates; the fused cell
+    computes the gates with CPU's rounding (``server/execute/rnn_cells.py``)."""
+    hy, cy, _ = aten._thnn_fused_lstm_cell.default(row, aten.linear.default(h[0], w_hh, b_hh), h[1])
+    return hy, cy
+
+
+def _gru_step(row: Tensor, h: Tensor, w_hh: Tensor, b_hh: Tensor | None) -> Tensor:
+    """CPU's ``GRUCell`` on a projected input row, by the fused cell (as :func:`_lstm_step`)."""
+    return aten._thnn_fused_gru_cell.default(row, aten.linear.default(h, w_hh, b_hh), h)[0]
+
+
+def _rnn_layers(name: str, step: Any) -> Any:
+    """``aten::<name>.input`` (``nn.GRU``, ``nn.RNN``) on ember tensors: CPU torch's composite on a CPU peer
+    (:func:`_stack`), torch's own elsewhere."""
+    op = getattr(aten, name).input
+
+    def layers(input: Tensor, hx: Tensor, params: list[Tensor], has_biases: bool, num_layers: int,  # noqa: A002
+               dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple[Tensor, Tensor]:
+        n = (4 if has_biases else 2) * num_layers * (2 if bidirectional else 1)
+        if not _layers_ok(input, [hx], params, n) or hx.shape[0] != n // (4 if has_biases else 2):
+            return op._op_dk(_COMPOSITE, input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                             batch_first)
+        out, last = _stack(step, input, list(hx.unbind(0)), params, has_biases, num_layers, dropout, train,
+                           bidirectional, batch_first)
+        return out, torch.stack(last, 0)
+    return layers
+
+
+def _simple_step(act: Any) -> Any:
+    """CPU's ``SimpleCell``: ``act(linear_hh(h).add_(row))`` (``act``: ``tanh`` or ``relu``, out of place)."""
+    def step(row: Tensor, h: Tensor, w_hh: Tensor, b_hh: Tensor | None) -> Tensor:
+        return act(aten.linear.default(h, w_hh, b_hh).add_(row))
+    return step
 
 
 def _cell_ok(input: Tensor, hx: list[Tensor], w_ih: Tensor, w_hh: Tensor, gates: int) -> bool:  # noqa: A002
@@ -134,6 +214,9 @@ def install() -> Any:
     lib.impl("lstm.input", lstm, "AutogradPrivateUse1")
     lib.impl("lstm_cell", lstm_cell, "AutogradPrivateUse1")
     lib.impl("gru_cell", gru_cell, "AutogradPrivateUse1")
+    lib.impl("gru.input", _rnn_layers("gru", _gru_step), "AutogradPrivateUse1")
+    lib.impl("rnn_tanh.input", _rnn_layers("rnn_tanh", _simple_step(torch.tanh)), "AutogradPrivateUse1")
+    lib.impl("rnn_relu.input", _rnn_layers("rnn_relu", _simple_step(torch.relu)), "AutogradPrivateUse1")
     return lib
 
 
