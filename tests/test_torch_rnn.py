@@ -133,16 +133,17 @@ def test_fused_cell_kernels_pass_gradcheck(bias: bool) -> None:
     assert torch.autograd.gradcheck(lambda *a: torch.ops.aten._thnn_fused_gru_cell(*a)[0], gru)
 
 
-def _layer_run(device: str, cls: Any, **kw: Any) -> list[Any]:
+def _layer_run(device: str, cls: Any, dtype: Any, **kw: Any) -> list[Any]:
     """Outputs, the input's gradient and the parameters' after a forward and backward of an RNN layer stack."""
     torch.manual_seed(0)
-    m = cls(5, 7, **kw).to(device)
+    m = cls(5, 7, **kw).to(dtype).to(device)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 3, 5, generator=g)
+    x = torch.randn(6, 3, 5, generator=g, dtype=dtype)
     if kw.get("batch_first"):
         x = x.transpose(0, 1).contiguous()
     x = x.to(device).requires_grad_()
     out, h = m(x)
+    h = h[0] if isinstance(h, tuple) else h
     (out.pow(2).sum() + h.sum()).backward()
     return [out.detach().cpu(), h.detach().cpu(), x.grad.cpu()] + [p.grad.cpu() for p in m.parameters()]
 
@@ -151,18 +152,23 @@ _STACKS = [{"num_layers": 2, "bidirectional": True, "batch_first": True}, {"num_
            {"bidirectional": True}, {}]
 
 
-@pytest.mark.parametrize("cls,kw", [("GRU", kw) for kw in _STACKS] + [("RNN-relu", kw) for kw in _STACKS]
-                         + [("RNN", kw) for kw in _STACKS[1:]])
-def test_gru_and_rnn_layers_are_bit_equal_to_local_cpu(cls: str, kw: dict[str, Any]) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("cls,kw", [(c, kw) for c in ("GRU", "RNN", "RNN-relu", "LSTM") for kw in _STACKS])
+def test_gru_rnn_and_lstm_layers_are_bit_equal_to_local_cpu(cls: str, kw: dict[str, Any], dtype: Any) -> None:
     """CPU torch projects a layer's whole input sequence in one ``linear`` before its time loop; any other
-    device step by step. On a CPU peer ember takes CPU's path (``torch/_rnn.py``'s ``_stack``), so float32
-    ``nn.GRU`` and ``nn.RNN`` stacks are bit-equal to local CPU: outputs, final hiddens and every gradient.
-    (Not claimed, and not tested: a 2-layer bidirectional tanh ``nn.RNN``, one float32 rounding off, and
-    float64 layers, a few 1e-16 off, once the peer replays the time step as a graph; README says so.)"""
-    make = nn.GRU if cls == "GRU" else nn.RNN
+    device step by step. On a CPU peer ember takes CPU's path (``torch/_rnn.py``'s ``_stack``; float32 LSTMs
+    take oneDNN's layer op, as on CPU), so ``nn.GRU``, ``nn.RNN`` and ``nn.LSTM`` stacks are bit-equal to
+    local CPU: outputs, final hiddens and every gradient. (The embedded peer runs its kernels with the
+    user's thread count, set here after ``ember.torch`` took it: a GEMM split otherwise rounds otherwise.)"""
+    make = {"GRU": nn.GRU, "LSTM": nn.LSTM}.get(cls, nn.RNN)
     if cls == "RNN-relu":
         kw = {**kw, "nonlinearity": "relu"}
-    with ember.connect("local:torch"):
-        cpu, remote = _layer_run("cpu", make, **kw), _layer_run("ember", make, **kw)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ember.connect("local:torch"):
+            cpu, remote = _layer_run("cpu", make, dtype, **kw), _layer_run("ember", make, dtype, **kw)
+    finally:
+        torch.set_num_threads(threads)
     for a, b in zip(cpu, remote):
         assert a.dtype == b.dtype and torch.equal(a, b), (a - b).abs().max()

@@ -375,10 +375,15 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = No
 
 def _install_threads() -> None:
     """``torch.set_num_threads`` on the main thread also sets the embedded peer's kernels' thread count
-    (``server.execute.aten.THREADS``, first taken when the embedded peer is made): the user's choice, never that
-    of a helper thread such as a pin-memory ``DataLoader``'s, which sets 1 process-wide."""
+    (``server.execute.aten.THREADS``, first taken here, from the main thread that imports ``ember.torch``): the
+    user's choice, never that of a helper thread such as a pin-memory ``DataLoader``'s, which sets 1
+    process-wide. Every embedded peer follows it, the default device and ``ember.connect("local:torch")``
+    alike: a GEMM split over another number of threads rounds otherwise (a float64 ``nn.GRU``'s input
+    projection was 6e-17 off in one row of six)."""
     from ..server.execute import aten as peer_aten
     orig = torch.set_num_threads
+    if peer_aten.THREADS[0] is None and threading.current_thread() is threading.main_thread():
+        peer_aten.THREADS[0] = torch.get_num_threads()
 
     @functools.wraps(orig)
     def set_num_threads(n: int) -> None:

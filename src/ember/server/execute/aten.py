@@ -46,9 +46,10 @@ rnn_cells.install("CPU")  # nn.LSTM / nn.GRU on an ember tensor take torch's fus
 
 
 #: The intra-op thread count this process's peer kernels run with, or None (each thread's own). An embedded
-#: peer follows its user: the thread count of the thread that made it (and of the main thread's later
-#: ``torch.set_num_threads``), never one another thread set process-wide (a pin-memory ``DataLoader`` thread
-#: sets 1), so its reductions split work as the user's CPU ops do and stay bit-equal to them.
+#: peer follows its user: the main thread's count when ``ember.torch`` was imported, or of the thread that
+#: made the default device (and the main thread's later ``torch.set_num_threads``), never one another thread
+#: set process-wide (a pin-memory ``DataLoader`` thread sets 1), so its reductions and GEMMs split work as the
+#: user's CPU ops do and stay bit-equal to them.
 THREADS: list[int | None] = [None]
 _tls = threading.local()
 
