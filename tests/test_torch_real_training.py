@@ -196,3 +196,21 @@ def test_a_pin_memory_thread_does_not_change_the_embedded_peer_s_thread_count() 
                        env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "SAME [True, True] 1" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_attention_with_a_learned_bias_as_its_mask_trains_bit_equal_to_local_cpu() -> None:
+    """T5's relative position bias is an additive mask that requires grad: CPU torch takes the math path for it
+    (its flash kernel has no gradient for a mask), and so does ember on a CPU peer, which sees the mask's values
+    only (it took flash, and autograd refused the mask). Outputs and every gradient, the mask's included."""
+    def run(device: str) -> list[Any]:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 4, 8, 16).to(device).requires_grad_() for _ in range(3))
+        bias = torch.randn(1, 4, 8, 8).to(device).requires_grad_()
+        frozen = torch.randn(1, 4, 8, 8).to(device)  # (a mask without grad: flash, as on CPU)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias) + F.scaled_dot_product_attention(q, k, v,
+                                                                                                      attn_mask=frozen)
+        y.pow(2).sum().backward()
+        return [y.detach().cpu()] + [t.grad.cpu() for t in (q, k, v, bias)]
+    with ember.connect("local:torch"):
+        for a, b in zip(run("cpu"), run("ember")):
+            assert torch.equal(a, b), (a - b).abs().max()

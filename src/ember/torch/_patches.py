@@ -365,8 +365,10 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = No
     if attn_mask is not None and attn_mask.dtype == torch.bool:  # as torch's convert_boolean_attn_mask
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
             attn_mask.logical_not(), float("-inf"))
-    if choice == _FLASH and Dv.device_of([ref_of(real[0])], info(aten._fused_sdp_choice.default)).info.get(
-            "spec", "").startswith("torch:cpu"):
+    if choice == _FLASH and not (attn_mask is not None and attn_mask.requires_grad) and Dv.device_of(
+            [ref_of(real[0])], info(aten._fused_sdp_choice.default)).info.get("spec", "").startswith("torch:cpu"):
+        # (a mask that requires grad -- T5's learned position bias -- takes the math path on CPU: its flash
+        # kernel has no gradient for the mask; the peer sees values only, not requires_grad)
         return aten._scaled_dot_product_flash_attention_for_cpu.default(
             q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
     return aten._scaled_dot_product_attention_math.default(
