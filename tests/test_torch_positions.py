@@ -245,3 +245,41 @@ def test_position_operands_are_checked_in_a_replayed_graph_too(k: int) -> None:
         first(step(*[_e(t) for t in bad])).cpu()
     assert C.stats["replays"] > replays + 1  # (refused inside a replay, not by an eager fallback)
     assert (torch.arange(3.0, device=E) + 1).tolist() == [1.0, 2.0, 3.0]  # the session carries on
+
+
+@pytest.mark.parametrize("offs", [[3, 7, 9], [8, 2, 10], [-4, 7, 10], [3, 7, 1000], []])
+def test_grouped_mm_offsets_that_leave_output_rows_unwritten_are_refused(offs: list[int]) -> None:
+    """``_grouped_mm`` leaves the output rows no group covers as allocated: uninitialized memory, maybe another
+    session's freed bytes (found running Hugging Face's Mixtral on ember). Offsets that do not partition the
+    grouped dimension are refused on the peer; the session carries on."""
+    a, b = torch.randn(10, 8), torch.randn(3 if offs else 0, 8, 8)
+    o = torch.tensor(offs, dtype=torch.int32)
+    with pytest.raises(RemoteExecutionError, match="refused on the peer"):
+        A._grouped_mm(_e(a), _e(b), offs=_e(o)).cpu()
+    assert (torch.arange(3.0, device=E) + 1).tolist() == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("offs", [[3, 7, 10], [0, 0, 10], [3, 3, 10], [10, 10, 10]])
+def test_grouped_mm_in_float32_runs_on_a_cpu_peer_as_on_cpu(offs: list[int]) -> None:
+    """Float32 grouped matmuls (torch's meta kernel allows bfloat16 only, CUDA's rule; the CPU kernel takes
+    float32), empty groups included: equal to local CPU, forward and backward (a 2D x 2D grouped matmul)."""
+    torch.manual_seed(0)
+    a, b, o = torch.randn(10, 8), torch.randn(3, 8, 8), torch.tensor(offs, dtype=torch.int32)
+
+    def run(d: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        x, w = d(a).requires_grad_(), d(b).requires_grad_()
+        y = torch._grouped_mm(x, w, offs=d(o))
+        y.pow(2).sum().backward()
+        return [t.cpu() for t in (y.detach(), x.grad, w.grad)]
+    for p, q in zip(run(lambda t: t.clone()), run(_e)):
+        assert torch.equal(p, q)
+
+
+def test_integer_histc_runs_on_a_cpu_peer_as_cuda_runs_it() -> None:
+    """CUDA's ``histc`` takes integer tensors (Hugging Face's MoE counts tokens per expert so on any device but
+    CPU and MPS); the CPU kernel does not. A CPU peer counts them on a float64 copy: CUDA's bins, its dtype."""
+    x = torch.tensor([0, 1, 1, 3, 2, 3, 3, 7, -1], dtype=torch.int32)
+    got = torch.histc(_e(x), bins=4, min=0, max=3).cpu()
+    assert got.dtype == torch.int32 and got.tolist() == [1, 2, 1, 3]
+    with pytest.raises(RuntimeError):  # (local CPU still refuses it: nothing changed for the user's own tensors)
+        torch.histc(x, bins=4, min=0, max=3)

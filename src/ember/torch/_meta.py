@@ -144,8 +144,18 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
     return plan
 
 
-_OWN_META = {"aten.mkldnn_rnn_layer.default": rnn_layer.meta_layer}
-"""Ops whose meta kernel sizes an output otherwise than the CPU kernel (oneDNN's LSTM workspace): shaped here."""
+def _grouped_mm_meta(a: torch.Tensor, b: torch.Tensor, offs: Any = None, bias: Any = None,
+                     out_dtype: Any = None) -> torch.Tensor:
+    """``_grouped_mm``'s output as the devices make it. torch's meta kernel also checks CUDA's rules (bfloat16
+    only) where the CPU kernel takes float32 too (a Mixture-of-Experts layer in Hugging Face's transformers);
+    the peer's own kernel checks what it takes."""
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+    return _create_grouped_mm_output_tensor(a, b, offs, out_dtype)
+
+
+_OWN_META = {"aten.mkldnn_rnn_layer.default": rnn_layer.meta_layer, "aten._grouped_mm.default": _grouped_mm_meta}
+"""Ops whose meta kernel sizes an output otherwise than the CPU kernel (oneDNN's LSTM workspace) or refuses what
+it takes (``_grouped_mm`` in float32): shaped here."""
 
 _META_DIFFERS = {"_embedding_bag": "include_last_offset", "_embedding_bag_forward_only": "include_last_offset"}
 """Ops whose meta kernel infers other auxiliary shapes than the CPU/CUDA kernels when a flag is set: run as

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ...protocol import aten as A
-from . import positions, rnn_cells, rnn_layer
+from . import device_gaps, positions, rnn_cells, rnn_layer
 from .backends import UnknownOp
 from .eager import GENERIC, plan_for
 from .session_random import SessionRandom
@@ -155,8 +155,9 @@ class AtenKernel:
         self.draw = rng.runner(op) if self.seeded else None
         #: operands whose values or sizes the CPU kernel trusts as memory positions: checked before it runs
         self.check = positions.checker(op) or rnn_layer.checker(op)
-        #: how the kernel runs when not as ``op(*args, **kwargs)`` (the LSTM layer: in a grad mode, rnn_layer.py)
-        self.special = rnn_layer.runner(op)
+        #: how the kernel runs when not as ``op(*args, **kwargs)`` (the LSTM layer: in a grad mode, rnn_layer.py;
+        #: a call CUDA takes and this CPU kernel refuses: device_gaps.py)
+        self.special = rnn_layer.runner(op) or device_gaps.runner(op)
         self.unsafe_ok = self.check is not None and name.split(".")[1] in positions.UNSAFE_CHECKED
         #: elementwise or a reduction (work linear in its operands), no random stream, no resize: on small
         #: operands, cheap enough for the network loop (``x.sum().item()``, an accuracy's ``(p == y).sum()``)
@@ -166,7 +167,8 @@ class AtenKernel:
         self.bounded = not self.resize and self.special is None
         #: the session's call shapes bound once (:mod:`.eager`), for an overload that writes no operand and
         #: needs no position check; else None
-        self.plans = None if self.resize or self.check is not None or self.writes_any else plans
+        self.plans = None if self.resize or self.check is not None or self.writes_any or self.special is not None \
+            else plans
 
     def written(self, kwargs: Any) -> list[int]:
         """Positions (among the message's args: the scalar list, then the operands) of the operands this

@@ -3,11 +3,12 @@
 A handful of PyTorch's CPU kernels read or write memory at positions taken from an operand
 without checking them: they trust that the operand came from the matching forward kernel
 (``max_pool2d``'s ``indices``, ``embedding``'s indices in its backward, ``segment_reduce``'s
-offsets, CTC targets) or that a per-channel operand has one value per channel (batch norm's
-statistics, layer norm's saved mean). Through torch that always holds; a client writing raw
-``OP`` messages can break it and make the peer read or write outside a storage (a crash, a heap
-corruption, or another session's bytes read back). Found by ``bench/bench_aten_positions.py``
-(each found case is a regression test in ``tests/test_torch_positions.py``).
+offsets, CTC targets, grouped matmuls' offsets) or that a per-channel operand has one value per
+channel (batch norm's statistics, layer norm's saved mean). Through torch that always holds; a
+client writing raw ``OP`` messages can break it and make the peer read or write outside a storage,
+or hand back memory no kernel wrote (a crash, a heap corruption, or another session's bytes read
+back). Found by ``bench/bench_aten_positions.py`` and by real models (each found case is a
+regression test in ``tests/test_torch_positions.py``).
 
 :func:`checker` gives, for such an op, a check run on the bound arguments before the kernel: it
 raises ``ValueError`` naming the operand and the bound, so the call's outputs are poisoned with
@@ -286,6 +287,25 @@ def _margin_backward(a: Named) -> None:
     _numel("margin loss backward", "grad_output", a["grad_output"], n if int(a["reduction"]) == 0 else 1)
 
 
+def _grouped(a: Named) -> None:
+    """``_grouped_mm``'s ``offs`` split one dimension into the groups: the CPU kernel writes each group's part of
+    the output and leaves the rest of it as allocated, unwritten. Offsets that are not a partition of that whole
+    dimension (decreasing, negative, short of its end) would hand the caller uninitialized memory: another
+    session's freed bytes. Refused; a partition (empty groups included: an expert with no tokens) runs."""
+    op, offs, x, w = "grouped mm", a.get("offs"), a["self"], a["mat2"]
+    if offs is None or not isinstance(offs, torch.Tensor) or not isinstance(x, torch.Tensor) \
+            or not isinstance(w, torch.Tensor):
+        return  # (the kernel refuses what it cannot take: a 3D x 3D call has no offsets)
+    if offs.dim() != 1 or offs.dtype not in (torch.int32, torch.int64):
+        _fail(op, f"offs must be a 1-D integer tensor, got {offs.dim()}-D {offs.dtype}")
+    n = x.size(0) if x.dim() == 2 and w.dim() == 3 else w.size(-1) if x.dim() == 3 else x.size(-1)
+    if offs.numel() == 0:
+        _fail(op, "offs is empty")
+    o = offs.to(torch.int64)
+    if int(o[0]) < 0 or (offs.numel() > 1 and bool((o[1:] < o[:-1]).any())) or int(o[-1]) != n:
+        _fail(op, f"offs must rise from 0 to {n} (a partition of the grouped dimension), got {offs.tolist()[:16]}")
+
+
 #: Checks that read the operands' layouts (shapes, numels) and literal arguments only, never a value: a
 #: registered graph's step of such an op is checked once when its program is lowered (its layouts are the
 #: same at every replay) and then runs unchecked on the fast path (``step_maker._layouts_pass``).
@@ -319,6 +339,7 @@ CHECKS: dict[str, Check] = {
     "_adaptive_avg_pool3d_backward": _adaptive_avg_backward(3),
     "grid_sampler_2d_backward": _grid_backward, "grid_sampler_3d_backward": _grid_backward,
     "multi_margin_loss_backward": _margin_backward, "multilabel_margin_loss_backward": _margin_backward,
+    "_grouped_mm": _grouped, "_scaled_grouped_mm": _grouped, "_scaled_grouped_mm_v2": _grouped,
 }
 
 

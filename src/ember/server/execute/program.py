@@ -142,10 +142,10 @@ class Program:
         if not isinstance(lays, list) or not isinstance(a, list) or len(a) != len(fn.args) \
                 or len(regs) != 1 + len(lays) or len(oregs) != len(specs):
             return None
+        if fn.special is not None:
+            return None  # (an RNN layer, a call CUDA takes and the CPU kernel refuses: AtenKernel.run, generic)
         vcheck = None  # a position check that reads operand values: run by the step, at every call
         if fn.check is not None and not _layouts_pass(fn, a, lays, aten, torch):
-            if fn.special is not None:
-                return None  # (an RNN layer: AtenKernel.run, generic)
             vcheck = fn.check
         sreg = regs[0]
         if not n_in <= sreg < first_out or any(n_in <= r < first_out for r in regs[1:]):

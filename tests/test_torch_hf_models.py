@@ -1,0 +1,66 @@
+"""Tiny Hugging Face models of several families, unchanged, train and generate on ember bit-equal to local CPU:
+RoPE with grouped-query attention (Llama), a learned attention bias as SDPA's mask (T5), a Mixture of Experts
+routed by ``histc`` and grouped matmuls (Mixtral), ALiBi (BLOOM), an encoder-decoder (BART). Each found a bug
+when first run this way (the mask's requires_grad, float32 grouped matmuls, integer ``histc``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+torch = pytest.importorskip("torch")
+T = pytest.importorskip("transformers")
+
+import ember  # noqa: E402
+import ember.torch  # noqa: E402,F401
+
+pytestmark = pytest.mark.timeout(300)
+D = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+         max_position_embeddings=32)
+MODELS: dict[str, Callable[[], Any]] = {
+    "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**D, num_key_value_heads=2)),
+    "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(vocab_size=101, d_model=32, d_ff=64, d_kv=8, num_layers=2,
+                                                          num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+                                                          pad_token_id=0)),
+    "mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(**D, num_key_value_heads=2, num_local_experts=4,
+                                                            num_experts_per_tok=2)),
+    "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=101, hidden_size=32, n_layer=2, n_head=4,
+                                                      hidden_dropout=0.0, attention_dropout=0.0)),
+    "bart": lambda: T.BartForConditionalGeneration(T.BartConfig(
+        vocab_size=101, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=2, forced_eos_token_id=None)),
+}
+
+
+def run(kind: str, device: str) -> tuple[list[float], list[Any], Any]:
+    torch.manual_seed(0)
+    m = MODELS[kind]().to(device)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(3, 101, (2, 12), generator=g)
+        labels = ids.flip(1) if kind in ("t5", "bart") else ids
+        out = m(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device), labels=labels.to(device))
+        o.zero_grad()
+        out.loss.backward()
+        o.step()
+        losses.append(out.loss.item())
+    m.eval()
+    prompt = torch.randint(3, 101, (1, 4), generator=g)
+    with torch.no_grad():
+        gen = m.generate(prompt.to(device), attention_mask=torch.ones_like(prompt).to(device), max_new_tokens=4,
+                         do_sample=False, pad_token_id=0)
+    return losses, [p.detach().cpu() for p in m.parameters()], gen.cpu()
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_a_tiny_model_trains_and_generates_bit_equal_to_local_cpu(kind: str) -> None:
+    with ember.connect("local:torch"):
+        cpu, remote = run(kind, "cpu"), run(kind, "ember")
+    assert remote[0] == cpu[0]
+    assert all(torch.equal(a, b) for a, b in zip(cpu[1], remote[1]))
+    assert torch.equal(cpu[2], remote[2])
