@@ -5,6 +5,7 @@ when first run this way (the mask's requires_grad, float32 grouped matmuls, inte
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 import pytest
@@ -64,3 +65,25 @@ def test_a_tiny_model_trains_and_generates_bit_equal_to_local_cpu(kind: str) -> 
     assert remote[0] == cpu[0]
     assert all(torch.equal(a, b) for a, b in zip(cpu[1], remote[1]))
     assert torch.equal(cpu[2], remote[2])
+
+
+def test_convolutions_lay_out_their_outputs_as_cpu_does() -> None:
+    """A convolution of a channels-last input gives a channels-last output on CPU (ConvNeXt's depthwise
+    convolutions after a permute). torch's meta kernel says contiguous; the client now asks CPU's own rules,
+    so the layouts match and so does a reduction over the result (ConvNeXt's pooled mean was 2e-7 off)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+    convs = [torch.nn.Conv2d(8, 8, 3, padding=1, groups=8), torch.nn.Conv2d(8, 4, 3), torch.nn.Conv1d(8, 4, 3)]
+    with ember.connect("local:torch"):
+        for conv in convs:
+            inp = x if isinstance(conv, torch.nn.Conv2d) else x[:, :, 0]
+            xc = inp.clone().requires_grad_()
+            xe = xc.detach().to("ember").requires_grad_()
+            assert xe.stride() == xc.stride()
+            yc = conv(xc)
+            yc.mean([-1]).pow(2).sum().backward()
+            ye = copy.deepcopy(conv).to("ember")(xe)
+            ye.mean([-1]).pow(2).sum().backward()
+            assert ye.stride() == yc.stride()
+            assert xe.grad.stride() == xc.grad.stride() and torch.equal(xe.grad.cpu(), xc.grad)
+            assert torch.equal(ye.detach().cpu(), yc.detach())

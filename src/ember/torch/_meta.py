@@ -153,9 +153,35 @@ def _grouped_mm_meta(a: torch.Tensor, b: torch.Tensor, offs: Any = None, bias: A
     return _create_grouped_mm_output_tensor(a, b, offs, out_dtype)
 
 
-_OWN_META = {"aten.mkldnn_rnn_layer.default": rnn_layer.meta_layer, "aten._grouped_mm.default": _grouped_mm_meta}
-"""Ops whose meta kernel sizes an output otherwise than the CPU kernel (oneDNN's LSTM workspace) or refuses what
-it takes (``_grouped_mm`` in float32): shaped here."""
+def _as_on_cpu(name: str) -> Any:
+    """The overload run on fake CPU tensors of the metas' layouts: FakeTensor's own rules, which ask the CPU
+    backend's choices. torch's meta kernel of a convolution leaves every output contiguous ("meta tensors have
+    no device info"), where the CPU kernel follows a channels-last input (ConvNeXt's depthwise convolutions):
+    the peer then kept the CPU result in the other layout, and a later reduction over it rounded otherwise."""
+    _ns, packet, overload = name.split(".")
+    op = getattr(getattr(torch.ops.aten, packet), overload)
+
+    def meta(*args: Any) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+        mode, cpu = FakeTensorMode(), torch.device("cpu")
+
+        def fake(t: Any) -> Any:
+            return FakeTensor(mode, t, cpu) if isinstance(t, torch.Tensor) and t.device.type == "meta" else t
+
+        def back(t: Any) -> Any:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") \
+                if isinstance(t, torch.Tensor) else t
+        with mode:
+            out = op(*[[fake(x) for x in a] if isinstance(a, list) else fake(a) for a in args])
+        return back(out) if not isinstance(out, tuple) else tuple(back(t) for t in out)
+    return meta
+
+
+_OWN_META = {"aten.mkldnn_rnn_layer.default": rnn_layer.meta_layer, "aten._grouped_mm.default": _grouped_mm_meta,
+             "aten.convolution.default": _as_on_cpu("aten.convolution.default"),
+             "aten.convolution_backward.default": _as_on_cpu("aten.convolution_backward.default")}
+"""Ops whose meta kernel sizes an output otherwise than the CPU kernel (oneDNN's LSTM workspace), lays it out
+otherwise (a convolution's memory format) or refuses what it takes (``_grouped_mm`` in float32): shaped here."""
 
 _META_DIFFERS = {"_embedding_bag": "include_last_offset", "_embedding_bag_forward_only": "include_last_offset"}
 """Ops whose meta kernel infers other auxiliary shapes than the CPU/CUDA kernels when a flag is set: run as
