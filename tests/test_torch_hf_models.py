@@ -67,7 +67,7 @@ def test_a_tiny_model_trains_and_generates_bit_equal_to_local_cpu(kind: str) -> 
     assert torch.equal(cpu[2], remote[2])
 
 
-def test_convolutions_lay_out_their_outputs_as_cpu_does() -> None:
+def test_convolutions_and_pixel_shuffle_lay_out_their_outputs_as_cpu_does() -> None:
     """A convolution of a channels-last input gives a channels-last output on CPU (ConvNeXt's depthwise
     convolutions after a permute). torch's meta kernel says contiguous; the client now asks CPU's own rules,
     so the layouts match and so does a reduction over the result (ConvNeXt's pooled mean was 2e-7 off)."""
@@ -87,3 +87,5 @@ def test_convolutions_lay_out_their_outputs_as_cpu_does() -> None:
             assert ye.stride() == yc.stride()
             assert xe.grad.stride() == xc.grad.stride() and torch.equal(xe.grad.cpu(), xc.grad)
             assert torch.equal(ye.detach().cpu(), yc.detach())
+        xe = x.to("ember")
+        assert torch.pixel_shuffle(xe, 2).stride() == torch.pixel_shuffle(x, 2).stride()  # (channels-last too)
