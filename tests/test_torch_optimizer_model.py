@@ -158,10 +158,10 @@ def test_a_grad_scale_on_the_optimizer_is_not_modelled() -> None:
 
 def test_switched_off_every_step_runs_the_python() -> None:
     """``EMBER_OPTIMIZER_MODEL=0`` sets this switch: guided replays only."""
-    O._optfast_on[0] = False
+    _optfast.ON[0] = False
     try:
         with ember.connect("local:torch"):
             remote = train("ember", lambda groups: torch.optim.AdamW(groups, lr=1e-2), 20)
     finally:
-        O._optfast_on[0] = True
+        _optfast.ON[0] = True
     assert remote[2] == []

@@ -31,6 +31,7 @@ is learnt again. ``EMBER_OPTIMIZER_MODEL=0`` keeps every step guided.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -48,6 +49,8 @@ _FIXED = {"adam": ("betas", "eps", "weight_decay", "amsgrad", "maximize", "forea
           "sgd": ("momentum", "dampening", "nesterov", "weight_decay", "maximize", "foreach", "differentiable",
                   "fused")}
 _ONE = None  # torch.tensor(1.0) for the step counts' increment, made on first use
+#: host models on (``EMBER_OPTIMIZER_MODEL=0``: every replayed step guided)
+ON = [os.environ.get("EMBER_OPTIMIZER_MODEL", "1").strip().lower() not in ("0", "false", "no", "off")]
 _NUM = (float, int)
 
 
@@ -113,10 +116,14 @@ def _scalars(group: dict[str, Any], path: str, counts: list[float]) -> list[list
     if wd != 0:
         out.append([1 - lr * wd] if group["decoupled_weight_decay"] else [wd])  # _foreach_mul_ / _foreach_add
     out += [[1 - beta1], [beta2], [1 - beta2]]  # lerp_, mul_, addcmul_
-    bc1 = [1 - beta1 ** c for c in counts]
-    bc2 = [1 - beta2 ** c for c in counts]
-    out += [[], [bc ** 0.5 for bc in bc2], [eps], [(lr / bc) * -1 for bc in bc1]]  # sqrt, div_, add_, addcdiv_
-    return [[_wire(v) for v in call] for call in out]
+    per: dict[float, tuple[Any, Any]] = {}  # (the counts are mostly one value: each computed once)
+    for c in counts:
+        if c not in per:
+            bc1, bc2 = 1 - beta1 ** c, 1 - beta2 ** c
+            per[c] = (_wire(bc2 ** 0.5), _wire((lr / bc1) * -1))
+    pairs = [per[c] for c in counts]
+    out = [[_wire(v) for v in call] for call in out]  # sqrt, div_, add_, addcdiv_:
+    return out + [[], [a for a, _ in pairs], [_wire(eps)], [b for _, b in pairs]]
 
 
 def _tensors(opt: Any, paths: list[str]) -> tuple[list[Any], list[list[Any]], list[bool]] | None:
@@ -199,9 +206,11 @@ class HostModel:
             refs.append(r)
         if len(set(map(id, refs))) != len(refs):
             return None
+        Tensor = torch.Tensor
         for c in counts:
-            if c and not all(type(s) is torch.Tensor and s.device.type == "cpu" and s.numel() == 1 for s in c):
-                return None
+            for s in c:
+                if type(s) is not Tensor or not s.is_cpu:
+                    return None
         global _ONE
         one = _ONE = _ONE if _ONE is not None else torch.tensor(1.0)
         scalars: list[list[Any]] = []
@@ -212,6 +221,43 @@ class HostModel:
                 torch._foreach_add_(c, one, alpha=1.0)  # as torch does for CPU step counts
             scalars += _scalars(g, path, [s.item() for s in c])
         return [refs[j] for j in self.reg_src], scalars
+
+
+class Trust:
+    """One recorded step's host model: learnt from its guided replays, trusted after :data:`AGREE` of them in a
+    row, dropped (and learnt again, up to :data:`DROPS` times) when a step no longer fits it."""
+
+    __slots__ = ("model", "agreed", "misses", "drops")
+
+    def __init__(self) -> None:
+        self.model: HostModel | None | bool = None  # False: no model predicts this step (never asked again)
+        self.agreed = self.misses = self.drops = 0
+
+    def run(self, opt: Any, drop: bool = True) -> tuple[list[Any], list[list[Any]]] | None:
+        """The step by the trusted model (:meth:`HostModel.step`), or None: none, off, or it does not fit this
+        step (``drop``: then it is learnt again from the guided replays)."""
+        model = self.model
+        if not model or not ON[0]:
+            return None
+        got = model.step(opt)  # type: ignore[union-attr]
+        if got is None and drop:
+            self.drops += 1
+            self.model, self.agreed = None if self.drops < DROPS else False, 0
+        return got
+
+    def after_guided(self, func: Any, opt: Any, session: Any, bound: list[Any], scalars: list[list[Any]]) -> None:
+        """After a guided replay (its bound storages, its calls' scalars): does a model predict it?"""
+        if self.model is not None or not ON[0]:
+            return
+        m = learn(func, opt, session, bound, scalars)
+        if m is None:
+            self.agreed, self.misses = 0, self.misses + 1
+            if self.misses >= TRIES:
+                self.model = False
+        else:
+            self.agreed += 1
+            if self.agreed >= AGREE:
+                self.model = m
 
 
 def learn(func: Any, opt: Any, session: Any, bound: list[Any], scalars: list[list[Any]]) -> HostModel | None:
@@ -249,4 +295,4 @@ def learn(func: Any, opt: Any, session: Any, bound: list[Any], scalars: list[lis
     return HostModel(session, kind, fixed, paths, reg_src, [_layout(t) for t in ts], active)  # type: ignore[arg-type]
 
 
-__all__ = ["AGREE", "DROPS", "TRIES", "HostModel", "learn"]
+__all__ = ["AGREE", "DROPS", "ON", "TRIES", "HostModel", "Trust", "learn"]

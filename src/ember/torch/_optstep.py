@@ -51,8 +51,7 @@ from torch.optim import Optimizer
 from ..client.graph import canon
 from ..protocol import aten as A
 from ..protocol.messages import OP as _OP
-from . import _dispatch as D
-from . import _optfast
+from . import _dispatch as D, _optfast
 from ._capture import CaptureWarning, _Tap, recording
 from ._devices import materialize
 from ._meta import _ITEMSIZE
@@ -64,10 +63,7 @@ PLANS = 8  # recorded steps kept per optimizer (one per pattern of grads that ar
 #: steps recorded, steps replayed, steps run eagerly for good, replays that ended in an eager step, and of the
 #: replays those that ran no optimizer Python (a trusted host model's: :mod:`._optfast`)
 stats = {"recorded": 0, "replays": 0, "eager": 0, "diverged": 0, "modelled": 0}
-_OFF = ("0", "false", "no", "off")
-_enabled = [os.environ.get("EMBER_CAPTURE_OPTIMIZER", "1").strip().lower() not in _OFF]
-#: replays by a trusted host model (:mod:`._optfast`); ``EMBER_OPTIMIZER_MODEL=0``: always guided
-_optfast_on = [os.environ.get("EMBER_OPTIMIZER_MODEL", "1").strip().lower() not in _OFF]
+_enabled = [os.environ.get("EMBER_CAPTURE_OPTIMIZER", "1").strip().lower() not in ("0", "false", "no", "off")]
 _T, _TL, _S, _SL = A.TENSOR, A.TENSOR_LIST, A.SCALAR, A.SCALAR_LIST
 _NUMBER = (bool, int, float, complex)
 _ident = threading.get_ident
@@ -223,9 +219,7 @@ class _Plan:
                 slot, k = slot + n_outs, k + 1
         self.fresh_each_step = not all(call.sends for call in calls)  # (a view may relayout a placeholder)
         self.placeholders: tuple[list[list[Any]], dict[int, int]] | None = None
-        #: the step's host model once trusted (``_optfast``); guided replays it agreed with; False: none fits
-        self.model: _optfast.HostModel | None | bool = None
-        self.agreed = self.misses = self.drops = 0
+        self.trust = _optfast.Trust()  # the step's host model, once one has agreed with its guided replays
 
     def take_placeholders(self) -> tuple[list[list[Any]], dict[int, int]]:
         """Per call, its fresh results as placeholders (pending storages: never on the peer), and the slot of
@@ -396,6 +390,7 @@ class _OptimizerCapture:
 
     def __init__(self) -> None:
         self.plans: dict[Any, _Plan] = {}
+        self.last: _Plan | None = None  # the plan a host model ran last: tried first, before _where
         self.misses = 0
         self.why: str | None = None
         self.off = False
@@ -403,6 +398,11 @@ class _OptimizerCapture:
     def step(self, func: Callable[..., Any], opt: Optimizer) -> Any:
         if self.off:
             return func(opt)
+        last = self.last
+        if last is not None and self.why is None:
+            got = last.trust.run(opt, drop=False)
+            if got is not None:  # (the last modelled plan again: its model checks all _where would, and more)
+                return self.modelled(last, got)
         where = _where(opt)
         if where is None:
             return func(opt)
@@ -429,21 +429,14 @@ class _OptimizerCapture:
             self.missed(plan, opt)
         elif plan is not None:
             if len(self.plans) >= PLANS:
-                self.plans.pop(next(iter(self.plans)))
+                self.last = None if self.plans.pop(next(iter(self.plans))) is self.last else self.last
             self.plans[key] = plan
         return out
 
     def replay(self, plan: _Plan, key: Any, func: Callable[..., Any], opt: Optimizer) -> Any:
-        model = plan.model
-        if model and _optfast_on[0]:
-            got = model.step(opt)  # type: ignore[union-attr]
-            if got is not None:  # (the step's Python would make the recorded calls: not run)
-                D.counters["ops"] += len(plan.calls)
-                self.send(plan, *got)
-                stats["modelled"] += 1
-                return None  # (what Adam.step returns without a closure)
-            plan.drops += 1  # (something changed: learnt again from the guided replays, up to DROPS times)
-            plan.model, plan.agreed = None if plan.drops < _optfast.DROPS else False, 0
+        got = plan.trust.run(opt)
+        if got is not None:  # (the step's Python would make the recorded calls: not run)
+            return self.modelled(plan, got)
         g = _Guide(plan)
         D.guide = g
         try:
@@ -460,20 +453,20 @@ class _OptimizerCapture:
         if g.differs is not None:
             stats["diverged"] += 1
             del self.plans[key]
+            self.last = None if plan is self.last else self.last
             self.missed(f"differs from its recording ({g.differs})", opt)
             return out
         self.send(plan, g.bind, g.scalars)
-        if plan.model is None and _optfast_on[0]:  # (does a host model predict this step? trusted after AGREE)
-            m = _optfast.learn(func, opt, plan.session, g.bind, g.scalars)
-            if m is None:
-                plan.agreed, plan.misses = 0, plan.misses + 1
-                if plan.misses >= _optfast.TRIES:
-                    plan.model = False  # (no model predicts this step: never asked again)
-            else:
-                plan.agreed += 1
-                if plan.agreed >= _optfast.AGREE:
-                    plan.model = m
+        plan.trust.after_guided(func, opt, plan.session, g.bind, g.scalars)
         return out
+
+    def modelled(self, plan: _Plan, got: tuple[list[Any], list[list[Any]]]) -> None:
+        """A step its plan's trusted host model ran (``got``: the storages it binds, its scalars): sent."""
+        D.counters["ops"] += len(plan.calls)
+        self.send(plan, *got)
+        stats["modelled"] += 1
+        self.last = plan
+        return None  # (what Adam.step and SGD.step return without a closure)
 
     def send(self, plan: _Plan, bound: list[Any], scalars: list[list[Any]]) -> None:
         """The replayed step goes out: into the op group when it has room, else as a REPLAY of its graph."""
@@ -496,6 +489,7 @@ class _OptimizerCapture:
         if self.misses >= TRIES:
             self.why = why
             self.plans.clear()
+            self.last = None
             warnings.warn(f"ember.torch: {type(opt).__name__}.step() runs eagerly from now on: the step {why}",
                           CaptureWarning, stacklevel=4)
 
@@ -600,6 +594,7 @@ def capture_optimizer_steps(enabled: bool, optimizer: Optimizer | None = None) -
         st = _state(optimizer)
         st.off = not enabled
         st.plans.clear()
+        st.last = None
 
 
 __all__ = ["capture_optimizer_steps", "install", "stats", "TRIES"]
