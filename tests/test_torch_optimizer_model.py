@@ -165,3 +165,21 @@ def test_switched_off_every_step_runs_the_python() -> None:
     finally:
         _optfast.ON[0] = True
     assert remote[2] == []
+
+
+def test_two_patterns_of_grads_each_get_a_model_bit_equal() -> None:
+    """Every third step leaves the first layer without grads (another recording, another model); the last
+    modelled plan is tried first each step and refuses the other pattern without being dropped."""
+    def freeze(k: int, m: Any, o: Any) -> None:
+        if k % 3 == 1:
+            m[0].weight.grad = m[0].bias.grad = None
+
+    def make_opt(groups: Any) -> Any:
+        return torch.optim.AdamW(groups, lr=1e-2)
+    with ember.connect("local:torch"):
+        cpu = train("cpu", make_opt, 60, freeze)
+        remote = train("ember", make_opt, 60, freeze)
+    assert remote[1] == cpu[1]
+    same(remote[0], cpu[0])
+    modelled = set(remote[2])
+    assert {k for k in range(30, 60) if k % 3 == 1} <= modelled and {k for k in range(30, 60) if k % 3 != 1} <= modelled
