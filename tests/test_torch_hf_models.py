@@ -89,3 +89,28 @@ def test_convolutions_and_pixel_shuffle_lay_out_their_outputs_as_cpu_does() -> N
             assert torch.equal(ye.detach().cpu(), yc.detach())
         xe = x.to("ember")
         assert torch.pixel_shuffle(xe, 2).stride() == torch.pixel_shuffle(x, 2).stride()  # (channels-last too)
+
+
+def test_a_compiled_llama_trains_as_eager_on_cpu() -> None:
+    """``torch.compile(model, backend="ember")`` of Hugging Face's Llama: its traced graph copies tensor
+    constants with ``lift_fresh_copy``, which a peer refuses by name; the client sends it as the ``clone`` it
+    is. The compiled model trains bit-equal to eager local CPU."""
+    def train(device: str, compiled: bool) -> tuple[list[float], list[Any]]:
+        torch.manual_seed(0)
+        m = MODELS["llama"]().to(device)
+        f = torch.compile(m, backend="ember") if compiled else m
+        o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(3, 101, (2, 12), generator=g)
+            out = f(input_ids=ids.to(device), labels=ids.to(device))
+            o.zero_grad()
+            out.loss.backward()
+            o.step()
+            losses.append(out.loss.item())
+        return losses, [p.detach().cpu() for p in m.parameters()]
+    with ember.connect("local:torch"):
+        cpu, compiled = train("cpu", False), train("ember", True)
+    assert compiled[0] == cpu[0]
+    assert all(torch.equal(a, b) for a, b in zip(cpu[1], compiled[1]))

@@ -6,6 +6,9 @@
   before touching memory) and a copy, or clamped indices and bounds-checked ``index``/``index_put``.
 * ``_efficientzerotensor`` (the zero gradient of ``sgn``/``abs``-like ops on real inputs) is a
   plain ``zeros``: torch's ZeroTensor is an optimisation a Python device cannot carry.
+* ``lift_fresh_copy`` and ``lift`` (a graph traced by ``torch.compile`` copies the tensor constants it
+  made with them: Hugging Face's Llama) are refused by name on a peer (``lift*``: ops only a client
+  performs); here they are what they compute, a ``clone``.
 * A CPU ``device=`` on a call among ember tensors (``zeros_like(t, device="cpu")``) runs on local
   torch, as on CUDA: ``*_like``/``new_*`` take only their operands' layouts, other ops read them.
 """
@@ -77,6 +80,8 @@ def install() -> None:
         fn = _decomposition(op)
         D.SPECIAL[id(op)] = lambda _op, *a, _fn=fn, **k: _fn(*a, **k)
     D.SPECIAL[id(aten._efficientzerotensor.default)] = _zeros
+    for op in (aten.lift_fresh_copy.default, aten.lift.default):
+        D.SPECIAL[id(op)] = lambda _op, x: aten.clone.default(x)
     D.SPECIAL[id(aten.as_strided_scatter.default)] = _as_strided_scatter
     for base in ("as_strided_copy", "as_strided_scatter"):
         functional = getattr(aten, base).default
