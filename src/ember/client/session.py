@@ -88,7 +88,8 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging, Knowin
         self.stats = {"ops": 0, "batches": 0, "bytes_sent": 0, "bytes_received": 0, "reads": 0,
                       "graphs": 0, "replays": 0, "replayed_ops": 0, "graph_resends": 0, "split_reads": 0,
                       "unsendable": 0,  # messages dropped: they could not be encoded (client/batch.py)
-                      "known_reads": 0}  # reads the frontend answered from bytes it holds (known)
+                      "known_reads": 0,  # reads the frontend answered from bytes it holds (known)
+                      "requests": 0}  # requests waited for (a read, a shape, a sync...)
         #: id -> the exact bytes of that storage, as a frontend knows them without asking (ember.torch's
         #: ``_known``); an id is forgotten whenever a message may write it (:meth:`_unknow`) or it is released
         self.known: dict[int, Any] = {}
@@ -276,6 +277,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging, Knowin
             raise self._lost_error()
         if self.known and kind not in READS_ONLY:
             self._unknow([kind, *fields])
+        self.stats["requests"] += 1
         req = next(self._reqs)
         w = Waiter()
         self._waiters[req] = w

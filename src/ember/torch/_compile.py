@@ -148,6 +148,8 @@ class Replayer:
             real(msg)
         outer = session.__dict__.get("record")  # (an ember.torch.capture recording around this call)
         session.record = capturing
+        st = session.stats
+        asked = st["requests"], st["known_reads"]
         try:
             out = self.gm(*args)
         finally:
@@ -155,7 +157,10 @@ class Replayer:
                 del session.record
             else:
                 session.record = outer
-        trace = self._trace(msgs, out, refs, session)
+        # A graph that read a value while it ran (a custom op's ``offs.tolist()``: Hugging Face's MoE under
+        # torch.compile) made ops that depend on it: its messages are not the next call's. Not a trace.
+        read = (st["requests"], st["known_reads"]) != asked
+        trace = None if read else self._trace(msgs, out, refs, session)
         stats["captures" if trace is not None else "eager"] += 1
         return out, trace
 
