@@ -116,3 +116,28 @@ def test_a_compiled_model_trains_as_eager_on_cpu(kind: str) -> None:
         cpu, compiled = train("cpu", False), train("ember", True)
     assert compiled[0] == cpu[0]
     assert all(torch.equal(a, b) for a, b in zip(cpu[1], compiled[1]))
+
+
+def test_save_pretrained_of_a_model_on_ember_reloads_equal_with_its_tied_weights(tmp_path: Any) -> None:
+    """``save_pretrained`` tells tied weights apart by their storages' ``data_ptr()``, which raised for an ember
+    storage ("invalid python storage"); it is now each storage's identity. The checkpoint reloads equal, tied
+    weights stay one storage, and a seeded sampling ``generate()`` draws the same tokens as local CPU."""
+    cfg = T.LlamaConfig(**D, num_key_value_heads=2, tie_word_embeddings=True)
+    with ember.connect("local:torch"):
+        torch.manual_seed(0)
+        m = T.LlamaForCausalLM(cfg).to("ember")
+        st = [p.untyped_storage() for p in m.parameters()]
+        assert len({s.data_ptr() for s in st}) == len(st)  # (tied: one parameter, one storage)
+        m.save_pretrained(tmp_path)
+        cpu = T.LlamaForCausalLM.from_pretrained(tmp_path)
+        want = m.state_dict()
+        assert all(torch.equal(v, want[k].cpu()) for k, v in cpu.state_dict().items())
+        back = T.LlamaForCausalLM.from_pretrained(tmp_path).to("ember")
+        head, emb = back.lm_head.weight, back.model.embed_tokens.weight
+        assert head.untyped_storage().data_ptr() == emb.untyped_storage().data_ptr()
+        ids = torch.randint(3, 101, (1, 4))
+        torch.manual_seed(5)
+        a = cpu.generate(ids, max_new_tokens=6, do_sample=True, top_k=10, top_p=0.9)
+        torch.manual_seed(5)
+        b = back.generate(ids.to("ember"), max_new_tokens=6, do_sample=True, top_k=10, top_p=0.9)
+        assert torch.equal(a, b.cpu())

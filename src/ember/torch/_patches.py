@@ -225,6 +225,26 @@ def _install_save() -> None:
     torch.Tensor._reduce_ex_internal = _reduce_ex_internal  # type: ignore[method-assign]
 
 
+#: the high bits of an ember storage's ``data_ptr``: an identity, never an address of this process
+_STORAGE_ID = 0x7E00 << 48
+
+
+def _install_storage_ids() -> None:
+    """``UntypedStorage.data_ptr()`` of an ember storage is its identity: one value per storage (views and
+    ``detach`` share it), unlike any other live storage's, in a range no allocation gets (not an address: the
+    bytes are on a peer). Hugging Face's ``save_pretrained`` (and safetensors, accelerate) tell tied weights
+    apart by ``(device, storage data_ptr)``; torch raised "invalid python storage" for a null-data storage."""
+    original = torch.UntypedStorage.data_ptr
+    if getattr(original, "_ember", False):
+        return
+
+    def data_ptr(self: Any) -> int:
+        r = getattr(self, "_ember", None)
+        return original(self) if r is None else _STORAGE_ID | (id(r) & ((1 << 48) - 1))
+    data_ptr._ember = True  # type: ignore[attr-defined]
+    torch.UntypedStorage.data_ptr = data_ptr  # type: ignore[method-assign]
+
+
 def _install_pinning() -> None:
     """``ember`` is torch's accelerator, so ``DataLoader(pin_memory=True)`` pins each batch for it:
     pinning a CPU tensor for ember is a no-op (the tensor itself is returned; a host-to-peer copy is
@@ -429,6 +449,7 @@ def install() -> list[Any]:
     _install_accelerator_memory()
     _install_print()
     _install_save()
+    _install_storage_ids()
     _install_module_apply()
     _install_pinning()
     _install_default_compile()
