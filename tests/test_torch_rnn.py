@@ -172,3 +172,19 @@ def test_gru_rnn_and_lstm_layers_are_bit_equal_to_local_cpu(cls: str, kw: dict[s
         torch.set_num_threads(threads)
     for a, b in zip(cpu, remote):
         assert a.dtype == b.dtype and torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("cls", ["GRU", "LSTM"])
+def test_a_layer_call_with_too_few_hidden_states_raises_torch_s_error(cls: str) -> None:
+    """A raw ``torch.gru`` / ``torch.lstm`` call with one hidden state for a 2-layer stack: torch's own error, as
+    on CPU (the LSTM's CPU layer path once indexed past the states: an IndexError)."""
+    def call(device: str) -> str:
+        m = getattr(nn, cls)(5, 7, num_layers=2).double().to(device)
+        x = torch.randn(4, 3, 5, dtype=torch.float64).to(device)
+        h = torch.zeros(1, 3, 7, dtype=torch.float64).to(device)
+        fn, hx = (torch.lstm, (h, h)) if cls == "LSTM" else (torch.gru, h)
+        with pytest.raises(RuntimeError) as e:
+            fn(x, hx, m._flat_weights, True, 2, 0.0, False, False, False)
+        return str(e.value)
+    with ember.connect("local:torch"):
+        assert call("ember") == call("cpu")

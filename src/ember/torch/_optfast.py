@@ -55,6 +55,7 @@ _NUM = (float, int)
 
 
 def _layout(t: Any) -> tuple[Any, ...]:
+    """A tensor's ``(dtype, shape, stride, offset)``, as the recordings compare them (:mod:`._optstep` too)."""
     return (t.dtype, t.shape, t.stride(), t.storage_offset())
 
 
@@ -124,6 +125,17 @@ def _scalars(group: dict[str, Any], path: str, counts: list[float]) -> list[list
     pairs = [per[c] for c in counts]
     out = [[_wire(v) for v in call] for call in out]  # sqrt, div_, add_, addcdiv_:
     return out + [[], [a for a, _ in pairs], [_wire(eps)], [b for _, b in pairs]]
+
+
+def _step_scalars(groups: list[dict[str, Any]], paths: list[str], counts: list[list[Any]],
+                  active: list[bool]) -> list[list[Any]]:
+    """The whole step's scalars, one list per call, from the groups that make calls and their step counts (as
+    the step leaves them: incremented)."""
+    out: list[list[Any]] = []
+    for g, path, c, act in zip(groups, paths, counts, active):
+        if act:  # (a group with no grads makes no call)
+            out += _scalars(g, path, [s.item() for s in c])
+    return out
 
 
 def _tensors(opt: Any, paths: list[str]) -> tuple[list[Any], list[list[Any]], list[bool]] | None:
@@ -201,7 +213,7 @@ class HostModel:
                 r = t.untyped_storage()._ember
             except AttributeError:
                 return None
-            if r.session is not session or (t.dtype, t.shape, t.stride(), t.storage_offset()) != lay:
+            if r.session is not session or _layout(t) != lay:
                 return None
             refs.append(r)
         if len(set(map(id, refs))) != len(refs):
@@ -213,14 +225,10 @@ class HostModel:
                     return None
         global _ONE
         one = _ONE = _ONE if _ONE is not None else torch.tensor(1.0)
-        scalars: list[list[Any]] = []
-        for g, c, path, act in zip(groups, counts, paths, active):
-            if not act:
-                continue  # (a group with no grads makes no call)
+        for c in counts:
             if c:
                 torch._foreach_add_(c, one, alpha=1.0)  # as torch does for CPU step counts
-            scalars += _scalars(g, path, [s.item() for s in c])
-        return [refs[j] for j in self.reg_src], scalars
+        return [refs[j] for j in self.reg_src], _step_scalars(groups, paths, counts, active)
 
 
 class Trust:
@@ -275,10 +283,7 @@ def learn(func: Any, opt: Any, session: Any, bound: list[Any], scalars: list[lis
     ts, counts, active = got
     try:
         refs = [t.untyped_storage()._ember for t in ts]
-        want = []
-        for g, c, path, act in zip(opt.param_groups, counts, paths, active):
-            if act:  # (the counts as the step left them)
-                want += _scalars(g, path, [s.item() for s in c])  # type: ignore[arg-type]
+        want = _step_scalars(opt.param_groups, paths, counts, active)  # type: ignore[arg-type]
     except Exception:
         return None
     if len(want) != len(scalars) or any(len(a) != len(b) or any(type(x) is not type(y) or x != y

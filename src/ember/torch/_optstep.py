@@ -52,6 +52,7 @@ from ..client.graph import canon
 from ..protocol import aten as A
 from ..protocol.messages import OP as _OP
 from . import _dispatch as D, _optfast
+from ._optfast import _layout
 from ._capture import CaptureWarning, _Tap, recording
 from ._devices import materialize
 from ._meta import _ITEMSIZE
@@ -111,10 +112,6 @@ def _lean(i: Any, values: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
         else:
             skel.append(v)
     return skel, operands, scalars
-
-
-def _layout(t: Any) -> tuple[Any, ...]:
-    return (t.dtype, t.shape, t.stride(), t.storage_offset())
 
 
 class _Call:

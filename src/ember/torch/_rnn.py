@@ -65,7 +65,7 @@ def lstm(input: Tensor, hx: list[Tensor], params: list[Tensor], has_biases: bool
     """``aten::lstm.input`` on ember tensors (see the module's docstring)."""
     per, dirs = 4 if has_biases else 2, 2 if bidirectional else 1
     if not takes_onednn(input, hx, params, per * num_layers * dirs):
-        if len(hx) == 2 and _layers_ok(input, [*hx], params, per * num_layers * dirs) \
+        if len(hx) == 2 and _layers_ok(input, [*hx], params, per, num_layers * dirs) \
                 and hx[0].shape[2] == hx[1].shape[2]:  # (no projections)
             pairs = list(zip(hx[0].unbind(0), hx[1].unbind(0)))
             out, last = _stack(_lstm_step, input, pairs, params, has_biases, num_layers, dropout, train,
@@ -98,10 +98,12 @@ def lstm(input: Tensor, hx: list[Tensor], params: list[Tensor], has_biases: bool
     return out, torch.stack(hy, 0), torch.stack(cy, 0)
 
 
-def _layers_ok(input: Tensor, hx: list[Tensor], params: list[Tensor], n_params: int) -> bool:  # noqa: A002
+def _layers_ok(input: Tensor, hx: list[Tensor], params: list[Tensor], per: int, n_hidden: int) -> bool:  # noqa: A002
     """A layer call on a CPU peer that CPU torch would run as its own composite (``RNN.cpp``'s ``FullLayer``):
-    batched, one dtype, not under autocast, well formed (else torch's composite, which says what is wrong)."""
-    return (input.dim() == 3 and input.shape[0] > 0 and len(params) == n_params and all(h.dim() == 3 for h in hx)
+    batched, one dtype, not under autocast, well formed -- ``per`` parameters and one hidden state in each of
+    ``hx`` per layer and direction (``n_hidden``) -- (else torch's composite, which says what is wrong)."""
+    return (input.dim() == 3 and input.shape[0] > 0 and len(params) == per * n_hidden
+            and all(h.dim() == 3 and h.shape[0] == n_hidden for h in hx)
             and all(t.dtype is input.dtype for t in (*hx, *params)) and input.dtype.is_floating_point
             and not torch.is_autocast_enabled(input.device.type) and _cpu_peer(input))
 
@@ -155,8 +157,7 @@ def _rnn_layers(name: str, step: Any) -> Any:
 
     def layers(input: Tensor, hx: Tensor, params: list[Tensor], has_biases: bool, num_layers: int,  # noqa: A002
                dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple[Tensor, Tensor]:
-        n = (4 if has_biases else 2) * num_layers * (2 if bidirectional else 1)
-        if not _layers_ok(input, [hx], params, n) or hx.shape[0] != n // (4 if has_biases else 2):
+        if not _layers_ok(input, [hx], params, 4 if has_biases else 2, num_layers * (2 if bidirectional else 1)):
             return op._op_dk(_COMPOSITE, input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                              batch_first)
         out, last = _stack(step, input, list(hx.unbind(0)), params, has_biases, num_layers, dropout, train,
