@@ -182,7 +182,8 @@ _OWN_META = {"aten.mkldnn_rnn_layer.default": rnn_layer.meta_layer, "aten._group
              "aten.convolution_backward.default": _as_on_cpu("aten.convolution_backward.default"),
              "aten.pixel_shuffle.default": _as_on_cpu("aten.pixel_shuffle.default")}
 """Ops whose meta kernel sizes an output otherwise than the CPU kernel (oneDNN's LSTM workspace), lays it out
-otherwise (a convolution's or ``pixel_shuffle``'s memory format) or refuses what it takes (``_grouped_mm`` in float32): shaped here."""
+otherwise (a convolution's or ``pixel_shuffle``'s memory format) or refuses what it takes (``_grouped_mm`` in
+float32): shaped here."""
 
 _META_DIFFERS = {"_embedding_bag": "include_last_offset", "_embedding_bag_forward_only": "include_last_offset"}
 """Ops whose meta kernel infers other auxiliary shapes than the CPU/CUDA kernels when a flag is set: run as
