@@ -88,3 +88,54 @@ def test_sparse_layouts_but_coo_fail_with_the_op_named() -> None:
                                 check_invariants=True)
     assert s.is_sparse and s.device.type == "ember"
     assert torch.equal(s.to_dense().cpu(), torch.tensor([[0, 1.0], [0, 0]]))
+
+
+_CANARY = r"""
+import torch, ember.torch
+from ember.bench import opinfo as O
+assert O.canary_on()
+assert O.unwritten(torch.empty(256)) is not None, "the canary is not live: CPU's empty shows no fill"
+planted = torch.full((16,), O.CANARY_FILL, dtype=torch.uint8)
+assert O.unwritten(planted.to("ember")) is not None, "the check does not see an ember tensor's bytes"
+assert O.unwritten(torch.cat([planted[:7], torch.zeros(9, dtype=torch.uint8)]).to("ember")) is None  # (a short run)
+x = torch.randn(40, 9)
+fresh = {
+    "empty": lambda: torch.empty(64, 33, device="ember"),
+    "empty_like": lambda: torch.empty_like(x.to("ember")),
+    "new_empty": lambda: x.to("ember").new_empty((300,)),
+    "empty_strided": lambda: torch.empty_strided((8, 8), (1, 16), device="ember"),
+    "resize_": lambda: torch.ones(3, device="ember").resize_(500),
+    "out= that grows": lambda: torch.mul(x.to("ember"), 2, out=torch.ones(2, device="ember")),
+    "new_empty_strided": lambda: x.to("ember").new_empty_strided((9, 9), (9, 1)),
+    "empty, partly written": lambda: torch.empty(300, device="ember").index_fill_(
+        0, torch.tensor([0, 7]).to("ember"), 1.0),
+    "the gaps of a strided storage": lambda: torch.as_strided(
+        torch.empty_strided((8, 8), (1, 16), device="ember").fill_(1), (120,), (1,)),
+    "a storage read whole": lambda: torch.empty(0, device="ember").set_(
+        torch.empty(50, 3, device="ember")[::2, :1].fill_(2).untyped_storage()),
+}
+for what, f in fresh.items():
+    why = O.unwritten(f())
+    assert why is None, (what, why)
+db = {op.name: op for op in O.op_db() if not op.variant_test_name}
+for name in ("empty", "empty_like", "new_empty", "empty_strided", "resize_", "index_put", "scatter", "unique",
+             "nonzero", "histc", "bincount", "nn.functional.embedding_bag",
+             "take_along_dim", "masked_scatter", "index_add", "sort", "topk", "kthvalue", "linalg.eig"):
+    for p in ("forward", "variants", "i64"):
+        if O.applies(db[name], p):
+            row = O.run_op(db[name], p, limit_s=60)
+            assert row["status"] != "wrong", row
+print("canary ok")
+"""
+
+
+@pytest.mark.timeout(240)
+def test_no_result_holds_memory_no_kernel_wrote() -> None:
+    """Under glibc's malloc perturb every buffer malloc hands out holds a canary: no ember result (factories that
+    allocate, growth by resize_ and out=, OpInfo samples of the ops that once leaked) may hold any of it; the
+    whole database runs the same way with ``bench/bench_opinfo.py run --canary``."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _CANARY], env={**O.canary_env(), "EMBER_OFFLINE": "1"},
+                       capture_output=True, text=True, timeout=220)
+    assert r.returncode == 0 and "canary ok" in r.stdout, r.stderr[-3000:]

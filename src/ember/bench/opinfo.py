@@ -11,10 +11,17 @@ Passes: ``forward`` (float32), ``built`` (samples made on ember itself: views an
 torch's generators make them), ``variants`` (method, in-place, ``out=`` with empty outputs,
 each also on a non-contiguous copy of the sample), ``grad`` (float64; each floating output
 weighted by a fixed tensor before the sum), ``f64`` / ``i64`` / ``bool`` (forward).
+
+**Canary** (``run --canary``): the process runs with glibc's ``malloc.perturb``, so every buffer malloc hands
+out is filled with :data:`CANARY_FILL` instead of whatever it held (zeros, when fresh from the system, hide an
+output the kernel never wrote). An ember result holding a run of it holds memory no kernel wrote: on a shared
+peer, another session's bytes. Such a sample is ``wrong`` ("uninitialised"), whatever CPU torch returned (its
+kernel would leave the same bytes unwritten: both sides then agree, and the values compare equal).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 from typing import Any, Callable, Iterator
 
@@ -31,6 +38,43 @@ _RANDOM = ("rand", "normal", "bernoulli", "multinomial", "dropout", "uniform", "
 
 
 _HOST_ARGS = frozenset({"tensor_split"})
+#: glibc's ``malloc.perturb`` byte for a canary run (``GLIBC_TUNABLES=glibc.malloc.perturb=165``): malloc fills
+#: what it hands out with its complement, 0x5A.
+CANARY_PERTURB = 0xA5
+CANARY_FILL = 0xFF ^ CANARY_PERTURB
+#: the shortest run of the fill byte taken as unwritten memory (8 bytes: no sample computes that by chance)
+CANARY_RUN = 8
+
+
+def canary_on() -> bool:
+    """Whether this process runs under the canary (its malloc fills buffers with :data:`CANARY_FILL`)."""
+    return f"glibc.malloc.perturb={CANARY_PERTURB}" in os.environ.get("GLIBC_TUNABLES", "")
+
+
+def canary_env() -> dict[str, str]:
+    """The environment of a process that runs under the canary."""
+    tun = os.environ.get("GLIBC_TUNABLES", "")
+    return {**os.environ, "GLIBC_TUNABLES": ":".join(x for x in (tun, f"glibc.malloc.perturb={CANARY_PERTURB}") if x)}
+
+
+def unwritten(x: Any) -> str | None:
+    """Where an (ember) result holds a run of :data:`CANARY_RUN` fill bytes (memory no kernel wrote), or None."""
+    import numpy as np
+    for k, t in enumerate(_leaves(x)):
+        if t.layout != torch.strided or not t.numel():
+            continue
+        flat = torch.empty(t.numel(), dtype=t.dtype)  # (a copy: any strides, expanded ones included)
+        flat.copy_(t.detach().cpu().reshape(-1))
+        b = flat.view(torch.uint8).numpy()
+        n = min(CANARY_RUN, b.size)
+        if n < 4:
+            continue
+        run = np.convolve(b == CANARY_FILL, np.ones(n, np.int32), "valid")
+        at = np.flatnonzero(run >= n)
+        if at.size:
+            return (f"uninitialised memory: result {k} ({tuple(t.shape)} {t.dtype}) holds "
+                    f"{int((b == CANARY_FILL).sum())} canary bytes, from byte {int(at[0])}")
+    return None
 
 
 def op_db() -> list[Any]:
@@ -110,6 +154,11 @@ def compare(call: Callable[[Any], Any], cpu_sample: Any, ember_sample: Any, seed
     if err is not None:
         return "error", f"{type(err).__name__}: {str(err).strip()[:200]}"
     why = _same(want, got, layout_only)
+    if why is None and canary_on():
+        why = unwritten(got)
+        if why is not None:
+            return "wrong", why + (" (CPU torch's result holds it too: its kernel leaves it unwritten)"
+                                   if unwritten(want) else "")
     if why is None:
         why = _same(_leaves(cpu_sample), _leaves(ember_sample), layout_only)
         if why is not None:
@@ -263,4 +312,5 @@ def _run_samples(op: Any, pass_: str, every: bool) -> dict[str, Any]:
     return {"status": status, "samples": n, "detail": detail}
 
 
-__all__ = ["PASSES", "op_db", "run_op", "applies", "compare", "samples"]
+__all__ = ["PASSES", "op_db", "run_op", "applies", "compare", "samples", "canary_on", "canary_env", "unwritten",
+           "CANARY_FILL"]

@@ -99,11 +99,19 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--ops", default="")
     r.add_argument("--peer", choices=("local", "ws"), default="local")
     r.add_argument("--limit", type=int, default=60, help="seconds per op and pass")
+    r.add_argument("--canary", action="store_true",
+                   help="fill every malloc'd buffer with a canary (glibc malloc.perturb) and fail any ember result "
+                        "that holds it: memory no kernel wrote (the process re-runs itself under it)")
     r.add_argument("--out", required=True)
     t = sub.add_parser("table")
     t.add_argument("paths", nargs="+")
     t.add_argument("--failures", action="store_true")
     a = ap.parse_args(argv)
+    if a.cmd == "run" and a.canary:
+        from .opinfo import canary_env, canary_on
+        if not canary_on():  # (glibc reads its tunables at start: a process of its own)
+            os.execve(sys.executable, [sys.executable, "-m", "ember.bench.opinfo_cli",
+                                       *(argv if argv is not None else sys.argv[1:])], canary_env())
     if a.cmd == "run":
         run(a)
     else:
