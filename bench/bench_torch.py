@@ -1,7 +1,7 @@
 """ember.torch benchmarks, every figure next to local CPU torch measured in the same run.
 
     python bench/bench_torch.py [--steps 100] [--repeat 3] [--transports memory,websocket,tcp,iroh]
-                                [--only mlp,transformer,gpt,gpt6,lstm,cpu,big,roundtrip,generate]
+                                [--only mlp,transformer,gpt,gptnan,gpt6,lstm,cpu,big,roundtrip,generate]
                                 [--modes eager,compile,capture]
 
 * one round trip, p50 and p99 (µs): ``(a + 1).to_numpy()`` of a 1-element array and ``(a + 1).item()``
@@ -90,7 +90,9 @@ class LSTMLM(torch.nn.Module):
 
 
 LSTM = dict(model=LSTMLM, opt="SGD", opt_args={"lr": 0.1}, batch=W.lm_batch(200, 8, 35), lm=True)
-WORKLOADS = {"mlp": MLP, "transformer": LM, "gpt": GPT, "gpt6": GPT6, "lstm": LSTM}
+#: the GPT under Hugging Face's Trainer's NaN filter: isnan / isinf of the loss read after every backward
+GPTNAN = dict(GPT, nan_filter=True)
+WORKLOADS = {"mlp": MLP, "transformer": LM, "gpt": GPT, "gptnan": GPTNAN, "gpt6": GPT6, "lstm": LSTM}
 BIG = dict(model=lambda: W.MLP(1024, 2048, 10), opt="SGD", opt_args={"lr": 1e-3},
            batch=lambda g: W.classification_batch(g, 512, (1024,), 10))
 
@@ -441,14 +443,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for t, d in devs.items():
                 fns[t] = lambda kw=kw, d=d: _on(d, lambda: step_time(kw, "ember", a.steps))
             cd = devs.get("tcp") or devs.get("websocket")
-            if "compile" in modes:  # the local baseline compiled: torch.compile's default backend on CPU
+            pw = pd
+            if kw.get("nan_filter"):  # (its compiled and captured loops would be the GPT's: eager only)
+                cd = pw = None
+            if "compile" in modes and not kw.get("nan_filter"):  # the local baseline compiled: inductor on CPU
                 fns["local+inductor"] = lambda kw=kw: compiled_step_time(kw, a.steps, "inductor", "cpu")
             if cd is not None and "compile" in modes:  # torch.compile(backend="ember"): graphs replayed without per-op dispatch
                 fns[f"{cd.address.split(':')[0]}+compile"] = lambda kw=kw, cd=cd: _on(
                     cd, lambda: compiled_step_time(kw, a.steps))
-            if pd is not None:  # the same, the peer replaying the graphs compiled by inductor (ember serve --compile)
-                fns[f"{pd.address.split(':')[0]}+compile+peer"] = lambda kw=kw: _on(
-                    pd, lambda: compiled_step_time(kw, a.steps))
+            if pw is not None:  # the same, the peer replaying the graphs compiled by inductor (ember serve --compile)
+                fns[f"{pw.address.split(':')[0]}+compile+peer"] = lambda kw=kw, pw=pw: _on(
+                    pw, lambda: compiled_step_time(kw, a.steps))
             if cd is not None and "capture" in modes:  # ember.torch.capture: the whole step, one REPLAY
                 fns[f"{cd.address.split(':')[0]}+capture"] = lambda kw=kw, cd=cd: _on(
                     cd, lambda: captured_step_time(kw, a.steps))

@@ -303,7 +303,7 @@ def _changes(values: list[Any], registered: list[Any]) -> list[Any]:
 class Candidate:
     """A group seen once: the next group starting with the same op is held and compared to it."""
 
-    __slots__ = ("names", "n", "ops", "dropped", "_canon", "entry", "split", "late", "late_seen", "chunks")
+    __slots__ = ("names", "n", "ops", "dropped", "_canon", "entry", "split", "late", "late_seen", "chunks", "tail")
 
     def __init__(self, ops: list[list[Any]], dropped: set[int]) -> None:
         self.names = [msg[1] for msg in ops]
@@ -319,6 +319,9 @@ class Candidate:
         #: own, kept in ``chunks`` by its first op's index
         self.late = self.late_seen = 0
         self.chunks: dict[int, Candidate] | None = None
+        #: how many of its last ops made the value read at its end last time (``GroupHolding._read_tail``): no
+        #: chunk takes them, so that they go after the last chunk with the read, in a batch of their own
+        self.tail = 0
 
     def matches(self, k: Canon) -> bool:
         """Is ``k`` (a held group) this candidate's graph? (canonicalises the candidate once) When the two differ

@@ -17,6 +17,8 @@ from .graph import Candidate, canon
 
 #: a held group that a read at its end waits for goes out in about CHUNKS chunks of at least CHUNK_MIN ops
 CHUNKS, CHUNK_MIN = 8, 16
+#: at most this many of a chunked group's last ops are the read's own (``GroupHolding._read_tail``)
+TAIL_MAX = 16
 
 
 class GroupHolding:
@@ -110,8 +112,9 @@ class GroupHolding:
         dropped.update(self._drops)
         return dropped
 
-    def _queue_chunk(self, c: Candidate, start: int, ops: list[list[Any]]) -> None:
-        dropped = self._released(self._grp_drops)
+    def _queue_chunk(self, c: Candidate, start: int, ops: list[list[Any]], keep: Any = ()) -> None:
+        """Queue a chunk of the held group (``keep``: ids that later ops use, never elided as temporaries)."""
+        dropped = self._released(self._grp_drops).difference(keep)
         k = self._canon(ops, dropped)
         chunks = c.chunks
         if chunks is None:
@@ -149,7 +152,23 @@ class GroupHolding:
         if start:  # the held group went out in chunks: its last one now (as ops if it ended early)
             assert c is not None and g is not None
             if len(g) == c.n:
-                self._queue_chunk(c, start, g[start:])
+                c.tail = self._read_tail(g, max(0, len(g) - TAIL_MAX))  # (learnt: no chunk takes them next time)
+                tail = min(c.tail, len(g) - start)
+                if not tail:
+                    self._queue_chunk(c, start, g[start:])
+                    return
+                # the ops that make the read's value alone, in a batch of their own (with the read): the peer may run
+                # it ahead of queued chunks that cannot change it (server/read_ahead.py). What they use is neither
+                # a temporary of the chunk nor dropped before them (a release waits until they are queued).
+                used = {x for op in g[len(g) - tail:] for x in op[2] if type(x) is int}
+                held = [i for i in self._drops if i in used]
+                for i in held:
+                    self._drops.remove(i)
+                if tail < len(g) - start:
+                    self._queue_chunk(c, start, g[start:len(g) - tail], used)
+                self._flush_locked(False, drops_too=False)
+                self._spill(g[len(g) - tail:])
+                self._drops.extend(held)
             else:
                 self._spill(g[start:])
             return
@@ -184,6 +203,23 @@ class GroupHolding:
         if len(cl) > 4:
             cl.pop()
 
+    def _read_tail(self, g: list[list[Any]], start: int) -> int:
+        """How many of the chunked group's last ops only make the value being read (``torch.isnan(loss)`` after
+        the backward): ops that write nothing but their results, each making something the read or a later one
+        of them uses (from op ``start`` on). 0 but at a read on a network link."""
+        tid, writes = self._read_tid, self.op_writes
+        if tid is None or writes is None:
+            return 0
+        need, n = {tid}, 0
+        for j in range(len(g) - 1, start - 1, -1):
+            op = g[j]
+            if need.isdisjoint(op[4]) or writes(op[1]) is not False:
+                break
+            smask = op[3]
+            need.update(a for i, a in enumerate(op[2]) if not smask >> i & 1 and type(a) is int)
+            n += 1
+        return n
+
     def _request_locked(self, msg: list[Any]) -> None:
         """Queue the request ``msg`` (READ, SYNC, ...) at a boundary, after everything recorded before it; a READ
         of a value the held group computes early goes between the group's two parts (:meth:`_split_for_read`).
@@ -194,10 +230,12 @@ class GroupHolding:
         if msg[0] != m.READ or self._cand is None or self.op_writes is None or self._direct is not None \
                 or not self._split_for_read(msg):
             self._at_read = True  # (the held group ends at a read: _end_group keeps what _split_for_read learned)
+            self._read_tid = msg[2] if msg[0] == m.READ and self._direct is None and len(msg) == 3 else None
             try:
                 self._boundary_locked()
             finally:
                 self._at_read = False
+                self._read_tid = None
             self._pending.append(msg)
 
     def _split_for_read(self, msg: list[Any]) -> bool:

@@ -115,6 +115,7 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging, Knowin
         self._send_soon = False  # a replayed group waits in _pending: the next op sends it (_send_now_locked)
         self._cstart = 0  # the held group's ops before this index went out in chunks (_chunk_locked)
         self._at_read = False  # the boundary being made is a read's (_request_locked)
+        self._read_tid: int | None = None  # the id being read at that boundary, on a network link (grouping.py)
         self._after_read = 0  # work (messages, replayed ops) the last request's batch holds after it
         #: the frontend's "may this op (by name) write an argument?" (None: unknown): where a read can split
         #: the held group (:meth:`_request_locked`); None: reads never split groups
@@ -163,8 +164,9 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging, Knowin
                     if c is not None:  # holding: does the group still follow a candidate?
                         if n < c.n and msg[1] == c.names[n] or self._switch_candidate(n, msg[1]):
                             g.append(msg)
-                            late = self._cand.late  # (a chunk of it goes out now: client/grouping.py)
-                            if late and n + 1 - self._cstart >= late:
+                            c = self._cand  # (a chunk of it goes out now, short of the read's own ops: grouping.py)
+                            late = c.late
+                            if late and n + 1 - self._cstart >= late and n + 1 <= c.n - c.tail:
                                 self._chunk_locked(g)
                             return
                         self._release_held()

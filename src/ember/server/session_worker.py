@@ -19,6 +19,7 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from typing import Any, Callable
 
 import numpy as np
@@ -29,6 +30,7 @@ from ..protocol import messages as m
 from ..transport.base import FrameConnection, frame_bytes
 from .execute.interpreter import Interpreter, Placed
 from .guard.memory import give_back_freed
+from . import read_ahead
 from .host import SessionHost
 from .lanes import SessionLanes, StripedRead
 from .telemetry.probe import transport_of
@@ -83,6 +85,7 @@ class Session:
         self.label, self.admin, self.transport = self.session_id.hex(), bool(hello.get("admin")), transport_of(conn)
         self.opened = time.monotonic()
         self.bytes_in = self.bytes_out = self.batches = 0
+        self.read_aheads = 0  # batches the worker ran ahead of queued ones (server/read_ahead.py)
         backend = server.backends[self.device_index]
         self.mem = server.budgets[self.device_index].session(server.session_memory, self.session_id.hex()[:8])
         self.interp = Interpreter(backend, server.tables[self.device_index], server.custom_ops,
@@ -228,12 +231,27 @@ class Session:
             out.append(resp)
 
     def _work_loop(self) -> None:
-        inbox, mem = self.inbox, self.mem
+        inbox, mem, interp = self.inbox, self.mem, self.interp
+        pending: deque[Any] = deque()  # taken from the inbox, not run yet (oldest first)
         while True:
-            item = inbox.get()
+            if not pending:
+                pending.append(inbox.get())
+            while len(pending) < read_ahead.MAX_SCAN:  # what else came: a small read may overtake it
+                try:
+                    pending.append(inbox.get_nowait())
+                except queue.Empty:
+                    break
+            first = pending[0]
+            item = read_ahead.take(pending, interp) if len(pending) > 1 else pending.popleft()
             if item is None or not self.alive:
                 break
+            if item is not first:
+                self.read_aheads += 1
             batch, received, cost = item
+            if cost is None:  # the part of a batch that overtook queued work (its rest, later, counts it done)
+                with self._run_lock:
+                    self._run(batch, received, False)
+                continue
             try:
                 with self._run_lock:
                     self._run(batch, received, False)

@@ -76,8 +76,10 @@ def classification_batch(g: torch.Generator, n: int, shape: tuple[int, ...], cla
 def train(model: Callable[[], nn.Module], device: str, *, steps: int = 10, opt: str = "SGD",
           opt_args: dict[str, Any] | None = None, batch: Callable[[torch.Generator], Any] | None = None,
           lm: bool = False, read_every: int = 1, clip: float | None = None, accumulate: int = 1,
-          scheduler: bool = False, seed: int = 0) -> tuple[list[float], list[torch.Tensor]]:
-    """One training loop, unchanged between devices; returns (losses, final parameters on the CPU)."""
+          scheduler: bool = False, seed: int = 0, nan_filter: bool = False) -> tuple[list[float], list[torch.Tensor]]:
+    """One training loop, unchanged between devices; returns (losses, final parameters on the CPU).
+    ``nan_filter``: after each backward, read ``torch.isnan`` and ``torch.isinf`` of the loss, as Hugging Face's
+    Trainer does every step (``logging_nan_inf_filter``)."""
     torch.manual_seed(seed)
     m = model().to(device)
     torch.manual_seed(seed + 1)
@@ -94,6 +96,8 @@ def train(model: Callable[[], nn.Module], device: str, *, steps: int = 10, opt: 
             out = m(x)
             loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if lm else F.cross_entropy(out, y)
             (loss / accumulate).backward()
+            if nan_filter and (torch.isnan(loss.detach()) or torch.isinf(loss.detach())):
+                raise FloatingPointError(f"the loss is {loss.item()} at step {step}")
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
         o.step()

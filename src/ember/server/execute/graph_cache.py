@@ -43,7 +43,7 @@ MAX_CACHE_BYTES = 64 << 20
 
 class CompiledGraph:
     __slots__ = ("gid", "n_in", "scalars", "n_s", "steps", "kept", "consumed", "n_reg", "n_ops", "wire_bytes",
-                 "replay_bytes", "saved", "nbytes", "program", "digest", "moving", "offsets")
+                 "replay_bytes", "saved", "nbytes", "program", "digest", "moving", "offsets", "writes_in")
 
     def __init__(self, gid: int, n_in: int, scalars: list[Any], steps: tuple[Step, ...], kept: tuple[int, ...],
                  consumed: tuple[int, ...], n_reg: int, nbytes: int = 0) -> None:
@@ -65,6 +65,7 @@ class CompiledGraph:
         #: (step, operand, its layout in the step's private keyword arguments) per moving layout
         self.moving: tuple[tuple[int, int, list[Any]], ...] = ()
         self.offsets: list[int] = []  # their offsets as registered (a REPLAY's defaults)
+        self.writes_in: tuple[int, ...] | None = None  # input positions it writes or consumes (server/read_ahead.py)
 
     def drop(self) -> None:
         """The graph left the cache: its program's cached views go (they hold storages of the session)."""

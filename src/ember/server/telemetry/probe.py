@@ -240,7 +240,8 @@ def counters(session: Any) -> dict[str, int]:
     return {"messages": it.ops_run, "ops": it.ops_run + it.replayed_ops - it.graph_hits,
             "batches": session.batches, "bytes_in": session.bytes_in, "bytes_out": session.bytes_out,
             "graph_hits": it.graph_hits, "graph_misses": it.graph_misses,
-            "graph_evictions": it.graphs.evictions, "graph_saved_bytes": it.graph_saved}
+            "graph_evictions": it.graphs.evictions, "graph_saved_bytes": it.graph_saved,
+            "read_aheads": getattr(session, "read_aheads", 0)}
 
 
 class Probe:
