@@ -18,7 +18,7 @@ from .graph import Candidate, canon
 #: a held group that a read at its end waits for goes out in about CHUNKS chunks of at least CHUNK_MIN ops
 CHUNKS, CHUNK_MIN = 8, 16
 #: at most this many of a chunked group's last ops are the read's own (``GroupHolding._read_tail``)
-TAIL_MAX = 16
+TAIL_MAX = 8
 
 
 class GroupHolding:
@@ -152,8 +152,9 @@ class GroupHolding:
         if start:  # the held group went out in chunks: its last one now (as ops if it ended early)
             assert c is not None and g is not None
             if len(g) == c.n:
-                c.tail = self._read_tail(g, max(0, len(g) - TAIL_MAX))  # (learnt: no chunk takes them next time)
-                tail = min(c.tail, len(g) - start)
+                # (learnt: no chunk takes them next time; their inputs then made a chunk or more before them)
+                c.tail = self._read_tail(g, len(g) - c.late)
+                tail = min(self._read_tail(g, start), len(g) - start) if c.tail else 0
                 if not tail:
                     self._queue_chunk(c, start, g[start:])
                     return
@@ -203,21 +204,27 @@ class GroupHolding:
         if len(cl) > 4:
             cl.pop()
 
-    def _read_tail(self, g: list[list[Any]], start: int) -> int:
-        """How many of the chunked group's last ops only make the value being read (``torch.isnan(loss)`` after
-        the backward): ops that write nothing but their results, each making something the read or a later one
-        of them uses (from op ``start`` on). 0 but at a read on a network link."""
+    def _read_tail(self, g: list[list[Any]], before: int) -> int:
+        """How many of the chunked group's last ops (at most ``TAIL_MAX``) only make the value being read
+        (``torch.isnan(loss)`` after the backward): ops that write nothing but their results, each making something
+        the read or a later one of them uses, whose other inputs were last written before op ``before`` (so that
+        what the peer still runs of the group cannot change them: the loss, made by the forward). 0 when there are
+        none such, or but at a read on a network link."""
         tid, writes = self._read_tid, self.op_writes
         if tid is None or writes is None:
             return 0
-        need, n = {tid}, 0
-        for j in range(len(g) - 1, start - 1, -1):
+        need, made, n = {tid}, set(), 0
+        for j in range(len(g) - 1, max(0, len(g) - TAIL_MAX) - 1, -1):
             op = g[j]
             if need.isdisjoint(op[4]) or writes(op[1]) is not False:
                 break
             smask = op[3]
+            made.update(op[4])
             need.update(a for i, a in enumerate(op[2]) if not smask >> i & 1 and type(a) is int)
             n += 1
+        outside = need - made  # (the tail's inputs from the group or before it)
+        if not n or _final_at_any(g[:len(g) - n], outside, writes) > before:
+            return 0
         return n
 
     def _request_locked(self, msg: list[Any]) -> None:
@@ -386,6 +393,16 @@ class GroupHolding:
                 self._flush_locked(False)
             else:
                 self._send_now_locked()
+
+
+def _final_at_any(g: list[list[Any]], tids: set[int], writes: Any) -> int:
+    """:func:`_final_at` of the latest written of ``tids``."""
+    for j in range(len(g) - 1, -1, -1):
+        op = g[j]
+        if not tids.isdisjoint(op[4]) or writes(op[1]) is not False and not tids.isdisjoint(
+                a for a in op[2] if type(a) is int):
+            return j + 1
+    return 0
 
 
 def _final_at(g: list[list[Any]], tid: int, writes: Any) -> int:

@@ -6,7 +6,7 @@ before it. Most reads need that; some do not. Hugging Face's Trainer checks ever
 forward ended, yet each read waited for the whole backward on the peer, and the client recorded the
 optimizer's step while the peer sat idle (a pipeline drained twice a step).
 
-So, before each batch, the worker may take a later one out of turn (:func:`pick`): a batch of small,
+So, before each batch, the worker may take a later one out of turn (:func:`take`): a batch of small,
 bounded ops that write nothing but their fresh outputs and draw no random numbers, and reads
 (``OP`` / ``READ`` / ``DROP`` only, at least one ``READ``, cheap by ``Interpreter.cheap``), none of
 whose inputs any batch it overtakes writes (outputs, in-place and ``out=`` operands, a replayed graph's
@@ -181,8 +181,8 @@ def graph_writes(g: Any) -> tuple[int, ...]:
         regs: set[int] = set(g.consumed)
         for step in g.steps:  # (fn, registers, output registers, keyword arguments, name, tensor registers, ...)
             fn = step[0]
-            w = _writes(fn, step[4]) if fn is not None else False
-            mine = step[5] if w is None else written_of(fn, step[1], step[3]) if w else ()  # (unknown: all)
+            writes = _writes(fn, step[4]) if fn is not None else False
+            mine = step[5] if writes is None else written_of(fn, step[1], step[3]) if writes else ()  # (unknown: all)
             regs.update(r for r in mine if type(r) is int and r < n_in)
         w = g.writes_in = tuple(sorted(regs))
     return w
