@@ -22,9 +22,11 @@ def _read_aheads(dev: ember.Device) -> int:
     return dev.stats()["peer"]["session"]["read_aheads"]
 
 
-def _busy(dev: ember.Device, a: torch.Tensor) -> torch.Tensor:
-    """A slow batch of its own (the worker runs it while the next ones queue)."""
-    b = a @ a
+def _busy(dev: ember.Device, a: torch.Tensor, n: int = 1) -> torch.Tensor:
+    """A slow batch of its own, ``n`` matmuls (the worker runs it while the next ones queue)."""
+    b = a
+    for _ in range(n):
+        b = b @ a
     dev.session.flush()
     return b
 
@@ -37,14 +39,15 @@ def test_a_read_of_untouched_values_overtakes_and_one_of_written_values_waits(tc
             z, x = torch.ones(3).to("ember"), torch.zeros(3).to("ember")
             dev.sync()
             before = _read_aheads(dev)
-            b1 = _busy(dev, a)
+            b1 = _busy(dev, a, 4)  # (long enough for what follows to queue behind it, on a loaded machine too)
             b2 = b1 @ a
             x.add_(1)  # queued behind the first batch, with the second matmul
             dev.session.flush()
             assert z.sum().item() == 3.0  # reads nothing queued work writes: it overtakes the second batch
             assert x.sum().item() == 3.0  # x is written by queued work: read after it, never before
             assert _read_aheads(dev) - before >= 1
-            torch.testing.assert_close(b2.cpu(), a.cpu() @ a.cpu() @ a.cpu(), rtol=1e-4, atol=1e-4)
+            ac = a.cpu()
+            torch.testing.assert_close(b2.cpu(), ac @ ac @ ac @ ac @ ac @ ac, rtol=1e-4, atol=1e-4)
     finally:
         dev.close()
 
