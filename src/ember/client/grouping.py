@@ -152,9 +152,10 @@ class GroupHolding:
         if start:  # the held group went out in chunks: its last one now (as ops if it ended early)
             assert c is not None and g is not None
             if len(g) == c.n:
+                n, written = self._read_tail(g)
                 # (learnt: no chunk takes them next time; their inputs then made a chunk or more before them)
-                c.tail = self._read_tail(g, len(g) - c.late)
-                tail = min(self._read_tail(g, start), len(g) - start) if c.tail else 0
+                c.tail = n if written <= len(g) - c.late else 0
+                tail = min(n, len(g) - start) if c.tail and written <= start else 0
                 if not tail:
                     self._queue_chunk(c, start, g[start:])
                     return
@@ -204,15 +205,15 @@ class GroupHolding:
         if len(cl) > 4:
             cl.pop()
 
-    def _read_tail(self, g: list[list[Any]], before: int) -> int:
-        """How many of the chunked group's last ops (at most ``TAIL_MAX``) only make the value being read
+    def _read_tail(self, g: list[list[Any]]) -> tuple[int, int]:
+        """(n, w): how many of the chunked group's last ops (at most ``TAIL_MAX``) only make the value being read
         (``torch.isnan(loss)`` after the backward): ops that write nothing but their results, each making something
-        the read or a later one of them uses, whose other inputs were last written before op ``before`` (so that
-        what the peer still runs of the group cannot change them: the loss, made by the forward). 0 when there are
-        none such, or but at a read on a network link."""
+        the read or a later one of them uses; and how many of the group's ops come up to the last one that may
+        write their other inputs (:func:`_final_at`: the loss, made by the forward, when what the peer still runs
+        of the group cannot change them). (0, 0) when there are none such, or but at a read on a network link."""
         tid, writes = self._read_tid, self.op_writes
         if tid is None or writes is None:
-            return 0
+            return 0, 0
         need, made, n = {tid}, set(), 0
         for j in range(len(g) - 1, max(0, len(g) - TAIL_MAX) - 1, -1):
             op = g[j]
@@ -222,10 +223,10 @@ class GroupHolding:
             made.update(op[4])
             need.update(a for i, a in enumerate(op[2]) if not smask >> i & 1 and type(a) is int)
             n += 1
-        outside = need - made  # (the tail's inputs from the group or before it)
-        if not n or _final_at_any(g[:len(g) - n], outside, writes) > before:
-            return 0
-        return n
+        if not n:
+            return 0, 0
+        head = g[:len(g) - n]
+        return n, max((_final_at(head, t, writes) for t in need - made), default=0)  # (its inputs from before it)
 
     def _request_locked(self, msg: list[Any]) -> None:
         """Queue the request ``msg`` (READ, SYNC, ...) at a boundary, after everything recorded before it; a READ
@@ -393,16 +394,6 @@ class GroupHolding:
                 self._flush_locked(False)
             else:
                 self._send_now_locked()
-
-
-def _final_at_any(g: list[list[Any]], tids: set[int], writes: Any) -> int:
-    """:func:`_final_at` of the latest written of ``tids``."""
-    for j in range(len(g) - 1, -1, -1):
-        op = g[j]
-        if not tids.isdisjoint(op[4]) or writes(op[1]) is not False and not tids.isdisjoint(
-                a for a in op[2] if type(a) is int):
-            return j + 1
-    return 0
 
 
 def _final_at(g: list[list[Any]], tid: int, writes: Any) -> int:

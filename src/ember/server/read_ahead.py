@@ -30,7 +30,7 @@ from .execute.replay import written_of
 #: How many queued batches the worker looks at before each batch, and how many of their messages it weighs at most.
 MAX_SCAN, MAX_MESSAGES = 64, 4096
 _OP, _READ, _DROP, _UPLOAD, _REPLAY = m.OP, m.READ, m.DROP, m.UPLOAD, m.REPLAY
-_SIDE = frozenset({m.SYNC, m.SHAPE})  # requests that only look
+_LOOK = frozenset({m.READ, m.SYNC, m.SHAPE})  # requests that only look
 
 
 def take(pending: deque[Any], interp: Any) -> Any:
@@ -166,7 +166,7 @@ def _effects(msg: list[Any], written: set[Any], touched: set[Any], interp: Any) 
     elif kind == _DROP:
         touched.update(msg[1])
         written.update(msg[1])
-    elif kind in _SIDE or kind == _READ:
+    elif kind in _LOOK:
         touched.add(msg[2])
     else:
         return False

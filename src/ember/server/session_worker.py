@@ -242,23 +242,20 @@ class Session:
                 except queue.Empty:
                     break
             first = pending[0]
-            item = read_ahead.take(pending, interp) if len(pending) > 1 else pending.popleft()
+            item = read_ahead.take(pending, interp)
             if item is None or not self.alive:
                 break
             if item is not first:
                 self.read_aheads += 1
             batch, received, cost = item
-            if cost is None:  # the part of a batch that overtook queued work (its rest, later, counts it done)
-                with self._run_lock:
-                    self._run(batch, received, False)
-                continue
             try:
                 with self._run_lock:
                     self._run(batch, received, False)
             finally:
-                mem.shared_release(cost)
-                self.done_bytes += cost
-                self.done += 1
+                if cost is not None:  # (None: the part of a batch that overtook queued work; its rest counts it)
+                    mem.shared_release(cost)
+                    self.done_bytes += cost
+                    self.done += 1
 
     async def send_frames(self, conn: FrameConnection, frames: Any) -> None:
         """Send data frames ``(prefix, payload)`` on ``conn`` (the session stream or a lane), counted."""
