@@ -22,6 +22,10 @@ def _read_aheads(dev: ember.Device) -> int:
     return dev.stats()["peer"]["session"]["read_aheads"]
 
 
+def _between(dev: ember.Device) -> int:
+    return dev.stats()["peer"]["session"]["reads_between"]
+
+
 def _busy(dev: ember.Device, a: torch.Tensor, n: int = 1) -> torch.Tensor:
     """A slow batch of its own, ``n`` matmuls (the worker runs it while the next ones queue)."""
     b = a
@@ -96,6 +100,50 @@ def test_random_draws_keep_their_order(tcp_peer: str) -> None:
         dev.close()
 
 
+def _thrice_plus_one(p: torch.Tensor) -> None:
+    for _ in range(4):
+        p.add_(p * 2 + 1)  # p <- 3p + 1, in place
+
+
+def _slow_group(a: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A group of its own, replayed once cached: eight slow matmuls (the peer runs them for ~0.2 s or more), then
+    ``p <- 3p + 1`` in place, four times."""
+    b = a
+    for _ in range(8):
+        b = b @ a
+    _thrice_plus_one(p)
+    return b
+
+
+def test_a_read_runs_between_the_steps_of_a_replay_that_cannot_change_it(tcp_peer: str) -> None:
+    """A read that comes while a long replayed graph runs is answered between two of its steps; a read of what that
+    graph writes waits for it whole."""
+    dev = ember.connect(tcp_peer)
+    try:
+        with dev:
+            a = torch.randn(N, N).to("ember") / N
+            z, p, want = torch.ones(3).to("ember"), torch.zeros(3).to("ember"), torch.zeros(3)
+            for _ in range(3):  # (seen, then replayed)
+                _slow_group(a, p)
+                _thrice_plus_one(want)
+                dev.session.flush()
+                dev.sync()
+            assert p.sum().item() == want.sum().item()
+            for _ in range(5):  # (until one ran mid-replay: a loaded client may send its read after the graph ended)
+                before, replays = _between(dev), dev.session.stats["replays"]
+                _slow_group(a, p)
+                _thrice_plus_one(want)
+                dev.session.flush()  # (the group alone: one REPLAY)
+                assert dev.session.stats["replays"] > replays
+                assert z.sum().item() == 3.0  # reads nothing the graph writes: answered between its steps
+                assert p.sum().item() == want.sum().item()  # p is written by the graph: read after it, never during
+                if _between(dev) > before:
+                    break
+            assert _between(dev) > before
+    finally:
+        dev.close()
+
+
 class _MLP(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -161,3 +209,21 @@ def test_trainer_nan_filter_reads_ahead_and_trains_the_same_model(tcp_peer: str,
     if not released:
         assert ahead > 0  # the filter's reads answered before the backward's queued chunks ran
     # (released: the value checked is made by the group's last chunk, so its read rightly waits for that chunk)
+
+
+def test_the_trainer_step_goes_out_in_chunks_cut_where_the_loss_is_final(tcp_peer: str) -> None:
+    """Under the Trainer's filter the step goes out in chunks as it is recorded: the forward in two (one when it is
+    shorter than two chunks' minimum, as this model's), the last ending with the loss (what the read waits for),
+    and the backward at the read (``_chunk_plan``)."""
+    dev = ember.connect(tcp_peer)
+    try:
+        with dev:
+            _nan_filtered_training("ember", steps=6)
+            late = [c for cl in dev.session._cands.values() for c in cl if c.late]
+    finally:
+        dev.close()
+    assert late, "the step never went out in chunks"
+    c = late[0]
+    assert c.cut and c.names[c.cut - 1].startswith("aten.nll_loss")  # the forward ends with the loss
+    assert sorted(c.chunks) == sorted({0, min(c.late, c.cut), c.cut})  # the forward's chunks, then the backward
+    assert c.n - c.tail > c.cut

@@ -303,7 +303,8 @@ def _changes(values: list[Any], registered: list[Any]) -> list[Any]:
 class Candidate:
     """A group seen once: the next group starting with the same op is held and compared to it."""
 
-    __slots__ = ("names", "n", "ops", "dropped", "_canon", "entry", "split", "late", "late_seen", "chunks", "tail")
+    __slots__ = ("names", "n", "ops", "dropped", "_canon", "entry", "split", "late", "late_seen", "chunks", "tail",
+                 "cut")
 
     def __init__(self, ops: list[list[Any]], dropped: set[int]) -> None:
         self.names = [msg[1] for msg in ops]
@@ -318,6 +319,9 @@ class Candidate:
         #: held, it goes out in chunks of this many ops (``GroupHolding._chunk_locked``), each a graph of its
         #: own, kept in ``chunks`` by its first op's index
         self.late = self.late_seen = 0
+        #: > 0: the last chunk ends at this op, where the value read is final (the forward's end); chunks of ``late``
+        #: ops come before it, none after (``GroupHolding._chunk_plan``)
+        self.cut = 0
         self.chunks: dict[int, Candidate] | None = None
         #: how many of its last ops made the value read at its end last time (``GroupHolding._read_tail``): no
         #: chunk takes them, so that they go after the last chunk with the read, in a batch of their own

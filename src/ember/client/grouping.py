@@ -19,6 +19,8 @@ from .graph import Candidate, canon
 CHUNKS, CHUNK_MIN = 8, 16
 #: at most this many of a chunked group's last ops are the read's own (``GroupHolding._read_tail``)
 TAIL_MAX = 8
+#: when the value read at a chunked group's end is final early (the loss), the ops up to there go in this many chunks
+FORWARD_CHUNKS = 2
 
 
 class GroupHolding:
@@ -265,7 +267,8 @@ class GroupHolding:
         if 4 * k > 3 * len(g):  # the read waits for (nearly) all of the group: the second time in a row, the
             c.late_seen += 1  # group goes out in chunks as it is recorded from then on (_chunk_locked)
             if c.late_seen >= 2 and not c.late:
-                c.late = max(CHUNK_MIN, len(g) // CHUNKS)
+                size, c.cut = self._chunk_plan(g, msg)
+                c.late = max(CHUNK_MIN, size)
         else:
             c.late = c.late_seen = 0
         if k >= len(g) or self._cstart:
@@ -298,6 +301,26 @@ class GroupHolding:
         if self._drops:
             self._drops_after(p, ka.elide | kb.elide)
         return True
+
+    def _chunk_plan(self, g: list[list[Any]], msg: list[Any]) -> tuple[int, int]:
+        """(size, cut): how the group goes out in chunks once a read at its end waits for it. In general, chunks of
+        about a CHUNKS-th of it, and no cut (0). When the value read is made by a tail of ops whose inputs are final
+        well before (``torch.isnan(loss)`` after the backward: :meth:`_read_tail`), the ops up to that point (the
+        forward) go in FORWARD_CHUNKS chunks, the last ending there (the cut), and the rest (the backward) at the
+        read: the read then waits for the forward alone (the peer runs it between two steps of the backward:
+        server/read_ahead.py), the peer starts the forward while the caller records it, and few chunks cut the
+        step (each costs the peer its kept values' bookkeeping)."""
+        size = len(g) // CHUNKS
+        if len(msg) != 3:
+            return size, 0
+        self._read_tid = msg[2]
+        try:
+            n, written = self._read_tail(g)
+        finally:
+            self._read_tid = None
+        if not n or not 0 < written < len(g) - n:
+            return size, 0
+        return -(-written // FORWARD_CHUNKS), written
 
     def _queue_replay(self, c: Candidate, k: Any) -> bool:
         if self._poisoned and any(i in self._poisoned for i in k.inputs):

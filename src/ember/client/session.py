@@ -165,8 +165,9 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging, Knowin
                         if n < c.n and msg[1] == c.names[n] or self._switch_candidate(n, msg[1]):
                             g.append(msg)
                             c = self._cand  # (a chunk of it goes out now, short of the read's own ops: grouping.py)
-                            late = c.late
-                            if late and n + 1 - self._cstart >= late and n + 1 <= c.n - c.tail:
+                            late, k, cut = c.late, n + 1, c.cut
+                            if late and (k == cut or k - self._cstart >= late and (k < cut or not cut)) \
+                                    and k <= c.n - c.tail:
                                 self._chunk_locked(g)
                             return
                         self._release_held()

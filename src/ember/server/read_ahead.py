@@ -16,6 +16,11 @@ Anything the worker cannot judge (a graph it does not hold yet, a ``GRAPH`` regi
 op, a transfer, an unknown op, a malformed message) is a barrier: nothing overtakes it. At most
 :data:`MAX_SCAN` queued batches are looked at; nothing overtakes while the session is stalled on a
 missing graph.
+
+A read may also come while the worker runs a long replay (the backward's graph) with nothing queued: the
+replay looks at what came between two of its steps (``Interpreter.poke``), and such a read batch runs there
+when it overtakes the rest of the running batch, that replay included, as it would a queued one
+(:func:`take_during`): the Trainer's ``torch.isinf(loss)`` is answered in the middle of the backward.
 """
 
 from __future__ import annotations
@@ -52,6 +57,29 @@ def take(pending: deque[Any], interp: Any) -> Any:
             pending[j] = (item[0][part:], item[1], item[2])
             return item[0][:part], item[1], None
     return pending.popleft()
+
+
+def take_during(pending: deque[Any], rest: list[list[Any]], interp: Any) -> Any:
+    """The queued read batch that may run now, in the middle of a message (``rest``: it and the rest of its batch),
+    removed from ``pending`` as :func:`take` does; or None. The read must overtake ``rest`` whole as well as the
+    queued batches before it: the message under way (a replay) then neither wrote nor will write what it reads."""
+    if not pending or pending[0] is None:
+        return None
+    pending.appendleft((rest, 0.0, None))
+    try:
+        j, part = _overtaking(pending, interp)
+    except Exception:  # noqa: BLE001 - a malformed message: nothing overtakes (the worker reports it in order)
+        j, part = 0, None
+    finally:
+        pending.popleft()
+    if not j:
+        return None
+    item = pending[j - 1]
+    if part is None:
+        del pending[j - 1]
+        return item
+    pending[j - 1] = (item[0][part:], item[1], item[2])
+    return item[0][:part], item[1], None
 
 
 def _overtaking(pending: deque[Any], interp: Any) -> tuple[int, int | None]:
@@ -188,4 +216,4 @@ def graph_writes(g: Any) -> tuple[int, ...]:
     return w
 
 
-__all__ = ["take", "graph_writes", "MAX_SCAN"]
+__all__ = ["take", "take_during", "graph_writes", "MAX_SCAN"]

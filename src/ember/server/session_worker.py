@@ -86,6 +86,8 @@ class Session:
         self.opened = time.monotonic()
         self.bytes_in = self.bytes_out = self.batches = 0
         self.read_aheads = 0  # batches the worker ran ahead of queued ones (server/read_ahead.py)
+        self.reads_between = 0  # of those, run between two steps of a replay under way
+        self._pending: deque[Any] = deque()  # taken from the inbox, not run yet (oldest first: the worker's)
         backend = server.backends[self.device_index]
         self.mem = server.budgets[self.device_index].session(server.session_memory, self.session_id.hex()[:8])
         self.interp = Interpreter(backend, server.tables[self.device_index], server.custom_ops,
@@ -231,31 +233,54 @@ class Session:
             out.append(resp)
 
     def _work_loop(self) -> None:
-        inbox, mem, interp = self.inbox, self.mem, self.interp
-        pending: deque[Any] = deque()  # taken from the inbox, not run yet (oldest first)
+        inbox, interp = self.inbox, self.interp
+        pending = self._pending
+        interp.between = self._between
         while True:
             if not pending:
                 pending.append(inbox.get())
-            while len(pending) < read_ahead.MAX_SCAN:  # what else came: a small read may overtake it
-                try:
-                    pending.append(inbox.get_nowait())
-                except queue.Empty:
-                    break
+            self._take_inbox()
             first = pending[0]
             item = read_ahead.take(pending, interp)
             if item is None or not self.alive:
                 break
-            if item is not first:
-                self.read_aheads += 1
-            batch, received, cost = item
+            with self._run_lock:
+                self._run_item(item, item is not first)
+
+    def _take_inbox(self) -> None:
+        """Move what else came into ``_pending`` (a small read among it may overtake the rest)."""
+        pending, inbox = self._pending, self.inbox
+        while len(pending) < read_ahead.MAX_SCAN:
             try:
-                with self._run_lock:
-                    self._run(batch, received, False)
-            finally:
-                if cost is not None:  # (None: the part of a batch that overtook queued work; its rest counts it)
-                    mem.shared_release(cost)
-                    self.done_bytes += cost
-                    self.done += 1
+                pending.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+
+    def _run_item(self, item: Any, ahead: bool) -> None:
+        """Run a queued ``(batch, received, cost)`` (``ahead``: out of turn), on the worker."""
+        if ahead:
+            self.read_aheads += 1
+        batch, received, cost = item
+        try:
+            self._run(batch, received, False)
+        finally:
+            if cost is not None:  # (None: the part of a batch that overtook queued work; its rest counts it)
+                self.mem.shared_release(cost)
+                self.done_bytes += cost
+                self.done += 1
+
+    def _between(self, batch: list[list[Any]], msg: list[Any]) -> None:
+        """On the worker, between two steps of the REPLAY ``msg`` of ``batch`` (a batch came meanwhile): run a
+        small read that overtakes the rest of the batch and the queued work before it (``read_ahead.take_during``),
+        so that its answer need not wait for the whole replay (Hugging Face's ``isinf(loss)`` during the backward)."""
+        if not self.alive or self.interp.probe.active:
+            return
+        self._take_inbox()
+        i = next((i for i, x in enumerate(batch) if x is msg), None)
+        item = None if i is None else read_ahead.take_during(self._pending, batch[i:], self.interp)
+        if item is not None:
+            self.reads_between += 1
+            self._run_item(item, True)
 
     async def send_frames(self, conn: FrameConnection, frames: Any) -> None:
         """Send data frames ``(prefix, payload)`` on ``conn`` (the session stream or a lane), counted."""
@@ -299,6 +324,7 @@ class Session:
         self.queued_bytes += cost
         self.queued += 1
         self.inbox.put((batch, received, cost))
+        self.interp.poked = True  # (a replay under way looks at it between two steps)
         return False
 
     def direct(self, frame: bytes, sent: int) -> list[bytes] | None:

@@ -30,6 +30,8 @@ from .holdings import SMALL, Holdings, _ELEMENTWISE
 from .replay import GraphReplay, NeedGraph, Poison, call_text, describe, describe_layouts, written_of
 from .sizes import PREDICTED, custom_outputs, upload_fault
 
+_REPLAY = m.REPLAY
+
 #: ``respond(responses)`` sends one frame of responses; ``respond([[req, OK, [dtype, shape, 0, nil, total]]],
 #: data)`` sends a read answer whose bytes (a flat byte view of the array) travel in data frames.
 Respond = Callable[..., None]
@@ -148,6 +150,22 @@ class Interpreter(GraphReplay, Holdings, Answers):
         self._stalled: list[list[Any]] | None = None  # REPLAY of an unknown graph + everything after it
         self._stall_gid: Any = None
         self._stalled_bytes = 0  # upload bytes held meanwhile (bounded by replay.MAX_STALLED_BYTES)
+        #: set from the loop when a batch is queued: a long replay looks between its steps (``between``) for a small
+        #: read that may run now (server/read_ahead.py); ``running``: the worker's batch and the REPLAY it runs
+        self.poked = False
+        self.between: Callable[[list[list[Any]], list[Any]], None] | None = None
+        self.running: tuple[list[list[Any]], list[Any]] | None = None
+
+    def poke(self) -> None:
+        """Between two steps of a replay, a batch came (``poked``): the session may run a small read now."""
+        self.poked = False
+        run = self.running
+        if run is not None and self.between is not None:
+            out_bytes = self._out_bytes
+            try:
+                self.between(*run)
+            finally:
+                self.running, self._out_bytes = run, out_bytes
 
     def enable_transfers(self, ops: Any) -> None:
         """Route EXPOSE / FETCH / MOVE to ``ops`` (a ``transfer.TransferOps``)."""
@@ -255,6 +273,8 @@ class Interpreter(GraphReplay, Holdings, Answers):
                             rec.add_outputs(self.tensors, msg)
                     continue
                 h = handlers[kind]
+                if kind == _REPLAY and not inline:
+                    self.running = (batch, msg)  # (a long replay may let a small read run between its steps)
                 if h is None:
                     self._malformed(msg, out, ProtocolError(f"{m.KIND_NAMES[kind]} is not supported by this peer"))
                 else:
@@ -276,6 +296,7 @@ class Interpreter(GraphReplay, Holdings, Answers):
                 self._malformed(msg, out, e)
             if rec is not None:
                 rec.other(kind, msg, self)
+        self.running = None
         self.ops_run += len(batch)
         if out:
             self.respond(out)

@@ -317,6 +317,8 @@ class Program:
         self.replays += 1
         generic, checked = self._generic, self._checked
         for i in range(start, len(fast)):
+            if it.poked:  # a batch came: a small read may run now, between two steps (server/read_ahead.py)
+                it.poke()
             fs = fast[i]
             if fs is None:
                 generic(it, g, R, V, st, i, None)

@@ -241,7 +241,7 @@ def counters(session: Any) -> dict[str, int]:
             "batches": session.batches, "bytes_in": session.bytes_in, "bytes_out": session.bytes_out,
             "graph_hits": it.graph_hits, "graph_misses": it.graph_misses,
             "graph_evictions": it.graphs.evictions, "graph_saved_bytes": it.graph_saved,
-            "read_aheads": getattr(session, "read_aheads", 0)}
+            "read_aheads": getattr(session, "read_aheads", 0), "reads_between": getattr(session, "reads_between", 0)}
 
 
 class Probe:
