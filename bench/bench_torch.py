@@ -16,7 +16,9 @@
 * ATen ops dispatched, messages sent, wire bytes per step (first step vs replayed steps);
 * client CPU per dispatched ATen op (process CPU time over a training run on a remote peer, µs), and
   of one cached ``a + b`` alone (the dispatch path: target <= 30 µs);
-* the same loops with the model under ``torch.compile(backend="ember")`` over TCP (``tcp+compile``);
+* the same loops with the model under ``torch.compile(backend="ember")`` over TCP (``tcp+compile``), and, with
+  the peer compiling the graphs it replays (``ember serve --compile``, ``connect(compile=True)``), the eager loop
+  (``tcp+peer``) and the compiled one (``tcp+compile+peer``);
 * a model whose step takes >= 5 ms of compute: remote step time over local step time.
 
 Client and server are pinned to different cores when there are two (torch uses one thread on
@@ -107,6 +109,23 @@ def step_time(kw: dict[str, Any], device: str, steps: int) -> float:
     t0 = time.perf_counter()
     W.train(device=device, steps=steps, read_every=READ_EVERY[0], **kw)
     return (time.perf_counter() - t0) / steps
+
+
+def peer_compiled_step_time(kw: dict[str, Any], steps: int, timeout: float = 600.0) -> float:
+    """``step_time`` of the unchanged eager loop on a session whose peer compiles the graphs it replays
+    (``ember serve --compile``, ``connect(compile=True)``): warmed until the peer has compiled every graph the
+    loop replays (the compile itself is not timed)."""
+    dev = ember.torch.current_device()
+    deadline = time.monotonic() + timeout
+    for r in range(1000):
+        W.train(device="ember", steps=2 * READ_EVERY[0], read_every=READ_EVERY[0], **kw)
+        cg = dev.stats()["peer"]["session"].get("compiled_graphs") or {}
+        if r >= 2 and not cg.get("pending") or time.monotonic() > deadline:
+            break
+        settle_peer_compiles(max(1.0, deadline - time.monotonic()))
+    t = step_time(kw, "ember", steps)
+    settle_peer_compiles()
+    return t
 
 
 def compiled_step_time(kw: dict[str, Any], steps: int, backend: str = "ember", device: str = "ember") -> float:
@@ -451,6 +470,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if cd is not None and "compile" in modes:  # torch.compile(backend="ember"): graphs replayed without per-op dispatch
                 fns[f"{cd.address.split(':')[0]}+compile"] = lambda kw=kw, cd=cd: _on(
                     cd, lambda: compiled_step_time(kw, a.steps))
+            if pd is not None and "peercompile" in modes:  # the eager loop, unchanged, the peer compiling its graphs
+                fns[f"{pd.address.split(':')[0]}+peer"] = lambda kw=kw, pd=pd: _on(
+                    pd, lambda: peer_compiled_step_time(kw, a.steps))
             if pw is not None:  # the same, the peer replaying the graphs compiled by inductor (ember serve --compile)
                 fns[f"{pw.address.split(':')[0]}+compile+peer"] = lambda kw=kw, pw=pw: _on(
                     pw, lambda: compiled_step_time(kw, a.steps))

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..protocol import messages as m
 from ..protocol import ops
+from .execute.interpreter import INLINE_MAX_MESSAGES
 from .execute.replay import written_of
 
 #: How many queued batches the worker looks at before each batch, and how many of their messages it weighs at most.
@@ -57,6 +58,11 @@ def take(pending: deque[Any], interp: Any) -> Any:
             pending[j] = (item[0][part:], item[1], item[2])
             return item[0][:part], item[1], None
     return pending.popleft()
+
+
+def may_read(batch: list[list[Any]]) -> bool:
+    """Might ``batch`` be a read that overtakes (a quick test on the network loop: short, with a ``READ``)?"""
+    return len(batch) <= INLINE_MAX_MESSAGES and any(msg[0] == _READ for msg in batch)  # (Interpreter.cheap's bound)
 
 
 def take_during(pending: deque[Any], rest: list[list[Any]], interp: Any) -> Any:
@@ -216,4 +222,4 @@ def graph_writes(g: Any) -> tuple[int, ...]:
     return w
 
 
-__all__ = ["take", "take_during", "graph_writes", "MAX_SCAN"]
+__all__ = ["take", "take_during", "may_read", "graph_writes", "MAX_SCAN"]

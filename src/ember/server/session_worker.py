@@ -324,7 +324,8 @@ class Session:
         self.queued_bytes += cost
         self.queued += 1
         self.inbox.put((batch, received, cost))
-        self.interp.poked = True  # (a replay under way looks at it between two steps)
+        if read_ahead.may_read(batch):
+            self.interp.poked = True  # (a replay under way looks at it between two steps)
         return False
 
     def direct(self, frame: bytes, sent: int) -> list[bytes] | None:
