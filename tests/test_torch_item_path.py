@@ -200,18 +200,23 @@ def test_a_users_dispatch_mode_does_not_see_the_peer_s_cpu_kernels() -> None:
 
 
 def test_small_reads_copy_their_bytes_straight_from_the_storage():
-    """A torch CPU peer answers a small read with a copy of the storage's own bytes (``Backend.small_bytes``):
-    the same bytes a NumPy view gives, for a value at any offset of its storage; anything else goes the
-    general way (None)."""
+    """A torch CPU peer answers a small read with a copy of the value's own bytes (``Backend.small_bytes``): the
+    dtype, shape and bytes the general way (a NumPy view) gives, for a storage value at any offset of its storage
+    and for a typed value (an Array API result, a loss); anything else goes the general way (None)."""
     import numpy as np
 
     from ember.server.execute.backends import make_backend
     f = make_backend("torch:cpu").small_bytes(64)
     base = torch.arange(100, dtype=torch.uint8)
-    for v in (base[:8], base[10:50], base[:0], base[3:67]):
-        got = f(v)
-        assert type(got) is bytes and got == np.asarray(v).tobytes()
+    for v in (base[:8], base[10:50], base[:0], base[3:67], base.view(torch.int8)[:8],
+              torch.zeros(2, 2, dtype=torch.uint8), torch.tensor(2.5, dtype=torch.float64),
+              torch.arange(6, dtype=torch.float32).reshape(2, 3)[1], torch.tensor([True, False]),
+              torch.tensor([1 + 2j], dtype=torch.complex64)):
+        h = np.asarray(v)
+        assert f(v) == (h.dtype.name, list(h.shape), h.tobytes())
     assert f(base[:65]) is None  # over the limit
     assert f(base[::2][:8]) is None  # not contiguous
-    assert f(base.view(torch.int8)[:8]) is None and f(torch.zeros(2, 2, dtype=torch.uint8)) is None
+    c = torch.tensor([1 + 2j], dtype=torch.complex64)
+    assert f(c.conj()) is None and f(torch.ones(2)._neg_view()) is None  # (its bytes are not its value)
+    assert f(torch.ones(2, requires_grad=True)) is None and f(torch.ones(2, dtype=torch.bfloat16)) is None
     assert make_backend("cpu").small_bytes(64) is None  # (NumPy devices read through to_host)

@@ -43,9 +43,9 @@ class Answers:
         if v is None:
             return
         small = self._small_bytes
-        flat = small(v) if small is not None else None
-        if flat is not None:  # what the general way below answers for it, with fewer steps
-            return self._answer_read(req, "uint8", [len(flat)], flat, out)
+        got = small(v) if small is not None else None
+        if got is not None:  # what the general way below answers for it, with fewer steps
+            return self._answer_read(req, got[0], got[1], got[2], out)
         staging = host_copy_bytes(self.backend.kind, v)
         if staging:  # the host copy is charged before it is made
             try:

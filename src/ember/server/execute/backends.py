@@ -62,22 +62,27 @@ class Backend:
         return self.xp.asarray(arr, device=self.device)
 
     def small_bytes(self, limit: int) -> Any:
-        """For a torch CPU device: ``f(x)``, the bytes of a stored storage value (a flat ``uint8`` tensor of
-        at most ``limit`` bytes), copied (a copy of a few bytes costs less than a NumPy view of them), or None
-        for anything else (read through :meth:`to_host`). None on other devices."""
+        """For a torch CPU device: ``f(x)``, ``(dtype name, shape, bytes)`` of a stored value of at most ``limit``
+        bytes whose memory is its own in order (contiguous, no conjugate or negative bit: a storage value, a
+        loss, an Array API result), copied (a copy of a few bytes costs less than a NumPy view of them); None for
+        anything else (read through :meth:`to_host`). None on other devices."""
         if self.kind != "torch" or getattr(self.device, "type", None) != "cpu":
             return None
         import ctypes
 
         import torch
-        tensor, u8, copy = torch.Tensor, torch.uint8, ctypes.string_at
+        tensor, copy = torch.Tensor, ctypes.string_at
+        names = {getattr(torch, n): n for n in ("uint8", "int8", "int16", "int32", "int64", "uint16", "uint32",
+                                                 "uint64", "float16", "float32", "float64", "complex64",
+                                                 "complex128", "bool") if hasattr(torch, n)}
 
-        def f(x: Any) -> bytes | None:
-            if type(x) is tensor and x.dtype is u8 and x.dim() == 1 and x.is_cpu and not x.requires_grad \
-                    and x.is_contiguous():
-                n = x.numel()
-                if n <= limit:
-                    return copy(x.data_ptr(), n) if n else b""  # (n bytes from its first: all its own)
+        def f(x: Any) -> tuple[str, list[int], bytes] | None:
+            if type(x) is tensor and x.is_cpu and not x.requires_grad and x.is_contiguous():
+                dt = names.get(x.dtype)
+                if dt is not None and not x.is_conj() and not x.is_neg():
+                    n = x.numel() * x.element_size()
+                    if n <= limit:
+                        return dt, list(x.shape), copy(x.data_ptr(), n) if n else b""  # (its own n bytes, in order)
             return None
         return f
 
