@@ -215,3 +215,38 @@ def test_a_read_followed_by_more_work_is_answered_before_that_work_runs() -> Non
               [OP, "multiply", [2, 2.0], 2, [3], None], [READ, 8, 3])
     assert seen == [([7], False), ([8], True)]
     assert np.allclose(peer.value(7), np.exp(x)) and np.allclose(peer.value(8), 2 * np.exp(x))
+
+
+def test_a_read_runs_inside_a_replay_only_when_the_replay_cannot_change_it() -> None:
+    """``read_ahead.take_during``: what may run between two steps of a replay under way (the replay and the rest of
+    its batch ``rest``), sans I/O. A read of an untouched value may; a read of what the replay makes, consumes or
+    is handed may not; a batch it cannot judge (malformed, an unknown op) never runs ahead, and never raises there
+    (the worker reports it in order)."""
+    from collections import deque
+
+    from ember.server import read_ahead
+    p = Peer()
+    x, w = np.arange(4.0), np.ones(4)
+    p.send(p.upload(1, x), p.upload(2, w))
+    wire, rep = graph_of(group(1, 10, 0.5), dropped={10, 11, 12, 1})  # (consumes x, makes z = 13)
+    p.send(wire)
+    rest = [rep, [DROP, [5]]]
+
+    left: list[Any] = []
+
+    def during(*batch: list[Any]) -> Any:
+        pending = deque([(list(batch), 0.0, 1)])
+        got = read_ahead.take_during(pending, rest, p.interp)
+        left[:] = list(pending)  # (what stays queued)
+        return got
+
+    good = [[OP, "add", [2, 1.0], 2, [30], None], [READ, 7, 30]]
+    assert during(*good) == (good, 0.0, 1) and not left  # w: the replay neither reads nor writes it
+    assert during([READ, 7, 13]) is None  # z: the replay makes it
+    assert during([READ, 7, 1]) is None  # x: the replay consumes it
+    assert during([OP, "add", [1, 1.0], 2, [31], None], [READ, 7, 31]) is None  # reads x
+    assert during([READ, 7, 2], [DROP, [5]]) == ([[READ, 7, 2]], 0.0, None)  # its drop alone collides: it runs
+    assert left == [([[DROP, [5]]], 0.0, 1)]  # without it, and the drop stays queued, with the batch's cost
+    for bad in ([READ, 7, [2]], [READ, "x"], [OP, "add", [[2], 1.0], 2, [32], None], [OP, "nope", [2], 0, [33]]):
+        assert during(bad) is None
+    assert read_ahead.may_read(good) and not read_ahead.may_read([rep]) and not read_ahead.may_read(good * 9)
