@@ -470,7 +470,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if cd is not None and "compile" in modes:  # torch.compile(backend="ember"): graphs replayed without per-op dispatch
                 fns[f"{cd.address.split(':')[0]}+compile"] = lambda kw=kw, cd=cd: _on(
                     cd, lambda: compiled_step_time(kw, a.steps))
-            if pd is not None and "peercompile" in modes:  # the eager loop, unchanged, the peer compiling its graphs
+            if pd is not None and "peercompile" in modes and not kw.get("nan_filter"):  # the eager loop, unchanged,
+                # the peer compiling its graphs (not the NaN filter's: a compiled chunk runs whole, and the filter's
+                # second read then waits for the backward's, as before reads ran between a replay's steps)
                 fns[f"{pd.address.split(':')[0]}+peer"] = lambda kw=kw, pd=pd: _on(
                     pd, lambda: peer_compiled_step_time(kw, a.steps))
             if pw is not None:  # the same, the peer replaying the graphs compiled by inductor (ember serve --compile)
