@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -22,8 +24,12 @@ def _read_aheads(dev: ember.Device) -> int:
     return dev.stats()["peer"]["session"]["read_aheads"]
 
 
+def _stats(dev: ember.Device) -> dict:
+    return dev.stats()["peer"]["session"]
+
+
 def _between(dev: ember.Device) -> int:
-    return dev.stats()["peer"]["session"]["reads_between"]
+    return _stats(dev)["reads_between"]
 
 
 def _busy(dev: ember.Device, a: torch.Tensor, n: int = 1) -> torch.Tensor:
@@ -131,10 +137,14 @@ def test_a_read_runs_between_the_steps_of_a_replay_that_cannot_change_it(tcp_pee
             assert p.sum().item() == want.sum().item()
             for _ in range(5):  # (until one ran mid-replay: a loaded client may send its read after the graph ended)
                 before, replays = _between(dev), dev.session.stats["replays"]
+                hits = _stats(dev)["graph_hits"]
                 _slow_group(a, p)
                 _thrice_plus_one(want)
                 dev.session.flush()  # (the group alone: one REPLAY)
                 assert dev.session.stats["replays"] > replays
+                deadline = time.monotonic() + 60  # the replay has begun: the peer counts its hit as it starts (a
+                while _stats(dev)["graph_hits"] == hits and time.monotonic() < deadline:  # STATS alone is answered
+                    time.sleep(0.001)  # at once, even while the worker runs)
                 assert z.sum().item() == 3.0  # reads nothing the graph writes: answered between its steps
                 assert p.sum().item() == want.sum().item()  # p is written by the graph: read after it, never during
                 if _between(dev) > before:
