@@ -154,7 +154,7 @@ class GroupHolding:
         if start:  # the held group went out in chunks: its last one now (as ops if it ended early)
             assert c is not None and g is not None
             if len(g) == c.n:
-                n, written = self._read_tail(g)
+                n, written = self._read_tail(g, self._read_tid)
                 # (learnt: no chunk takes them next time; their inputs then made a chunk or more before them)
                 c.tail = n if written <= len(g) - c.late else 0
                 tail = min(n, len(g) - start) if c.tail and written <= start else 0
@@ -207,13 +207,13 @@ class GroupHolding:
         if len(cl) > 4:
             cl.pop()
 
-    def _read_tail(self, g: list[list[Any]]) -> tuple[int, int]:
-        """(n, w): how many of the chunked group's last ops (at most ``TAIL_MAX``) only make the value being read
-        (``torch.isnan(loss)`` after the backward): ops that write nothing but their results, each making something
+    def _read_tail(self, g: list[list[Any]], tid: int | None) -> tuple[int, int]:
+        """(n, w): how many of the chunked group's last ops (at most ``TAIL_MAX``) only make the value ``tid`` being
+        read (``torch.isnan(loss)`` after the backward): ops that write nothing but their results, each making something
         the read or a later one of them uses; and how many of the group's ops come up to the last one that may
         write their other inputs (:func:`_final_at`: the loss, made by the forward, when what the peer still runs
         of the group cannot change them). (0, 0) when there are none such, or but at a read on a network link."""
-        tid, writes = self._read_tid, self.op_writes
+        writes = self.op_writes
         if tid is None or writes is None:
             return 0, 0
         need, made, n = {tid}, set(), 0
@@ -311,13 +311,7 @@ class GroupHolding:
         server/read_ahead.py), the peer starts the forward while the caller records it, and few chunks cut the
         step (each costs the peer its kept values' bookkeeping)."""
         size = len(g) // CHUNKS
-        if len(msg) != 3:
-            return size, 0
-        self._read_tid = msg[2]
-        try:
-            n, written = self._read_tail(g)
-        finally:
-            self._read_tid = None
+        n, written = self._read_tail(g, msg[2] if len(msg) == 3 else None)
         if not n or not 0 < written < len(g) - n:
             return size, 0
         return -(-written // FORWARD_CHUNKS), written

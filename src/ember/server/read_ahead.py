@@ -51,13 +51,19 @@ def take(pending: deque[Any], interp: Any) -> Any:
         except Exception:  # noqa: BLE001 - a malformed message: nothing overtakes (the worker reports it in order)
             j, part = 0, None
         if j:
-            item = pending[j]
-            if part is None:
-                del pending[j]
-                return item
-            pending[j] = (item[0][part:], item[1], item[2])
-            return item[0][:part], item[1], None
+            return _remove(pending, j, part)
     return pending.popleft()
+
+
+def _remove(pending: deque[Any], j: int, part: int | None) -> Any:
+    """Take item ``j`` out of ``pending`` to run it now: whole (``part`` None), or its first ``part`` messages, the
+    rest (its trailing drops) staying in its place with its cost."""
+    item = pending[j]
+    if part is None:
+        del pending[j]
+        return item
+    pending[j] = (item[0][part:], item[1], item[2])
+    return item[0][:part], item[1], None
 
 
 def may_read(batch: list[list[Any]]) -> bool:
@@ -78,14 +84,7 @@ def take_during(pending: deque[Any], rest: list[list[Any]], interp: Any) -> Any:
         j, part = 0, None
     finally:
         pending.popleft()
-    if not j:
-        return None
-    item = pending[j - 1]
-    if part is None:
-        del pending[j - 1]
-        return item
-    pending[j - 1] = (item[0][part:], item[1], item[2])
-    return item[0][:part], item[1], None
+    return _remove(pending, j - 1, part) if j else None
 
 
 def _overtaking(pending: deque[Any], interp: Any) -> tuple[int, int | None]:
