@@ -214,3 +214,20 @@ def test_attention_with_a_learned_bias_as_its_mask_trains_bit_equal_to_local_cpu
     with ember.connect("local:torch"):
         for a, b in zip(run("cpu"), run("ember")):
             assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_the_attention_kernel_follows_dropout_as_on_cpu_for_the_same_shapes() -> None:
+    """CPU torch runs its flash kernel without dropout and its math kernel with it; the peer's choice is kept per
+    layout *and* scalar values. A loop that evaluates without dropout between training steps with it
+    (pytorch/examples' word_language_model) once got the first call's kernel for every later call of those
+    shapes: flash with dropout (refused by the peer), or math without it (not bit-equal to CPU)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 32) for _ in range(3))
+    with ember.connect("local:torch"):
+        Q, K, V = (t.to("ember") for t in (q, k, v))
+        for p, causal in ((0.0, False), (0.2, False), (0.0, False), (0.2, True), (0.0, True)):
+            torch.manual_seed(1)
+            want = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
+            torch.manual_seed(1)
+            got = F.scaled_dot_product_attention(Q, K, V, dropout_p=p, is_causal=causal).cpu()
+            assert torch.equal(want, got), (p, causal, (want - got).abs().max())

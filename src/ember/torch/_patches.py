@@ -71,13 +71,15 @@ _choices: dict[Any, Any] = {}
 
 def _peer_decides(op: Any, *args: Any, **kwargs: Any) -> Any:
     """A metadata-only choice that depends on the peer's hardware (``_fused_sdp_choice``: which attention
-    kernel): asked of the peer once per device and layout, then cached, so a torch:cpu peer picks the
-    kernel local CPU torch picks and a GPU peer the one its GPU offers."""
+    kernel): asked of the peer once per device, layout and scalar values, then cached, so a torch:cpu peer
+    picks the kernel local CPU torch picks and a GPU peer the one its GPU offers. The values are in the key:
+    CPU torch takes its flash kernel only without dropout (``dropout_p``), and a choice may turn on
+    ``is_causal``, ``scale`` or ``enable_gqa`` too."""
     i = info(op)
     values = bound(i, args, kwargs)
     template, operands, refs, scalars, key = D._walk(i, values)
     dev = Dv.device_of(refs, i)
-    k = (op, id(dev), *key)
+    k = (op, id(dev), *key, *[(type(x), x) for x in scalars])
     v = _choices.get(k)
     if v is None:
         v = _choices[k] = T.run_dynamic(i, operands, scalars, template, D.layouts_of(operands), values)
