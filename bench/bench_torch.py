@@ -1,7 +1,7 @@
 """ember.torch benchmarks, every figure next to local CPU torch measured in the same run.
 
     python bench/bench_torch.py [--steps 100] [--repeat 3] [--transports memory,websocket,tcp,iroh]
-                                [--only mlp,transformer,gpt,gptnan,gpt6,lstm,cpu,big,roundtrip,generate]
+                                [--only mlp,transformer,gpt,gptnan,gpt6,lstm,gru,cpu,big,roundtrip,generate]
                                 [--modes eager,compile,capture]
 
 * one round trip, p50 and p99 (µs): ``(a + 1).to_numpy()`` of a 1-element array and ``(a + 1).item()``
@@ -79,22 +79,23 @@ GPT6 = dict(model=lambda: W.TinyLM(vocab=65, d=256, heads=8, layers=6, ctx=64), 
             opt_args={"lr": 1e-3}, batch=W.lm_batch(65, 8, 64), lm=True)
 
 
-class LSTMLM(torch.nn.Module):
-    """word_language_model's shape, small: embedding, a 2-layer LSTM, a linear decoder."""
+class RNNLM(torch.nn.Module):
+    """word_language_model's shape, small: embedding, a 2-layer LSTM (or GRU), a linear decoder."""
 
-    def __init__(self, vocab: int = 200, d: int = 64) -> None:
+    def __init__(self, vocab: int = 200, d: int = 64, cell: Any = torch.nn.LSTM) -> None:
         super().__init__()
-        self.emb, self.rnn = torch.nn.Embedding(vocab, d), torch.nn.LSTM(d, d, 2, batch_first=True)
+        self.emb, self.rnn = torch.nn.Embedding(vocab, d), cell(d, d, 2, batch_first=True)
         self.dec = torch.nn.Linear(d, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.dec(self.rnn(self.emb(idx))[0])
 
 
-LSTM = dict(model=LSTMLM, opt="SGD", opt_args={"lr": 0.1}, batch=W.lm_batch(200, 8, 35), lm=True)
+LSTM = dict(model=RNNLM, opt="SGD", opt_args={"lr": 0.1}, batch=W.lm_batch(200, 8, 35), lm=True)
+GRU = dict(LSTM, model=lambda: RNNLM(cell=torch.nn.GRU))
 #: the GPT under Hugging Face's Trainer's NaN filter: isnan / isinf of the loss read after every backward
 GPTNAN = dict(GPT, nan_filter=True)
-WORKLOADS = {"mlp": MLP, "transformer": LM, "gpt": GPT, "gptnan": GPTNAN, "gpt6": GPT6, "lstm": LSTM}
+WORKLOADS = {"mlp": MLP, "transformer": LM, "gpt": GPT, "gptnan": GPTNAN, "gpt6": GPT6, "lstm": LSTM, "gru": GRU}
 BIG = dict(model=lambda: W.MLP(1024, 2048, 10), opt="SGD", opt_args={"lr": 1e-3},
            batch=lambda g: W.classification_batch(g, 512, (1024,), 10))
 

@@ -72,10 +72,13 @@ DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32"
           "bfloat16", "float32", "float64", "complex32", "complex64", "complex128")
 MEMORY_FORMATS = ("contiguous_format", "preserve_format", "channels_last", "channels_last_3d")
 
-INTERNAL = frozenset({"torch.alloc", "torch.seed", "torch.storage_of", "torch.array_of"})
+INTERNAL = frozenset({"torch.alloc", "torch.seed", "torch.storage_of", "torch.array_of", "torch.rnn_layer",
+                      "torch.rnn_layer_backward"})
 """Ember's own torch ops: ``alloc`` (a zeroed storage of ``kwargs["n"]`` bytes), ``seed``
 (reseed the session's generator), ``storage_of`` (a storage holding a value's bytes, C order),
-``array_of`` (a contiguous value, for ``ember.array_api``, from an operand's layout)."""
+``array_of`` (a contiguous value, for ``ember.array_api``, from an operand's layout),
+``rnn_layer`` and ``rnn_layer_backward`` (one ``gru`` / ``rnn_tanh`` / ``rnn_relu`` layer and its gradients,
+with feature ``"rnn_layers"``: ``server/execute/rnn_recompute.py``)."""
 
 DENY = re.compile(r"from_file|unsafe|as_strided|^set_|pin_memory|is_pinned|record_stream|^empty|^new_empty|"
                   r"^_empty|_nested|sparse|mkldnn|quantiz|^q_|^_cufft|^_copy_from|^_to_cpu|^_print|^_debug|"

@@ -142,13 +142,16 @@ MAX_DATA_HEAD = 4096
 #: Tensors up to this many bytes travel inside a batch (MessagePack ``bin``), larger ones in data frames.
 INLINE_DATA = 64 * 1024
 #: Optional wire features this version speaks, negotiated in Hello / Welcome.
-FEATURES = ("data", "lanes", "compile", "offsets")
+FEATURES = ("data", "lanes", "compile", "offsets", "rnn_layers")
 DATA_FEATURE = "data"
 #: Compiled graphs on the peer (``ember serve --compile``; server/execute/compiled.py): offered only by a
 #: client that asks for them (``connect(..., compile=True)``), agreed only by a peer started with the option.
 COMPILE_FEATURE = "compile"
 #: GRAPH's ``moving`` and REPLAY's ``offsets``: input views whose offset changes from replay to replay.
 OFFSETS_FEATURE = "offsets"
+#: The internal ops ``torch.rnn_layer`` and ``torch.rnn_layer_backward`` (``server/execute/rnn_recompute.py``): an
+#: ``nn.GRU`` / ``nn.RNN`` layer and its backward in two ops, not ~10 per time step.
+RNN_FEATURE = "rnn_layers"
 #: Several streams per large transfer (``protocol.lanes``); only with ``"data"``.
 LANES_FEATURE = "lanes"
 

@@ -26,12 +26,17 @@ with grad on, and reads nothing else from that argument): the peer runs the laye
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
+from ..protocol import codec
+from ..protocol import messages as m
 from ..server.execute.rnn_layer import LSTM
-from ._storage import ref_or_none
+from . import _dispatch as D
+from ._devices import materialize
+from ._storage import StorageRef, dtype_name, live_session, new_tensor, ref_of, ref_or_none
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -151,8 +156,9 @@ def _gru_step(row: Tensor, h: Tensor, w_hh: Tensor, b_hh: Tensor | None) -> Tens
 
 
 def _rnn_layers(name: str, step: Any) -> Any:
-    """``aten::<name>.input`` (``nn.GRU``, ``nn.RNN``) on ember tensors: CPU torch's composite on a CPU peer
-    (:func:`_stack`), torch's own elsewhere."""
+    """``aten::<name>.input`` (``nn.GRU``, ``nn.RNN``) on ember tensors: on a CPU peer, CPU torch's composite,
+    one layer per call (:class:`_PeerLayer`), or where the peer cannot, its steps (:func:`_stack`); torch's own
+    composite elsewhere."""
     op = getattr(aten, name).input
 
     def layers(input: Tensor, hx: Tensor, params: list[Tensor], has_biases: bool, num_layers: int,  # noqa: A002
@@ -160,10 +166,84 @@ def _rnn_layers(name: str, step: Any) -> Any:
         if not _layers_ok(input, [hx], params, 4 if has_biases else 2, num_layers * (2 if bidirectional else 1)):
             return op._op_dk(_COMPOSITE, input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                              batch_first)
+        if _whole_layers(input):
+            return _by_layer(name, input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                             batch_first)
         out, last = _stack(step, input, list(hx.unbind(0)), params, has_biases, num_layers, dropout, train,
                            bidirectional, batch_first)
         return out, torch.stack(last, 0)
     return layers
+
+
+def _whole_layers(input: Tensor) -> bool:  # noqa: A002
+    """Does the peer run a layer whole (feature ``"rnn_layers"``)? Not while a capture or an optimizer step
+    records the calls (they see ops through the dispatcher, and this layer's backward is recorded by hand)."""
+    s = ref_of(input).session
+    return D.note is None and D.guide is None and input.dtype in (torch.float32, torch.float64) \
+        and m.RNN_FEATURE in codec.agreed_features(s.welcome_features)
+
+
+def _by_layer(name: str, input: Tensor, hx: Tensor, params: list[Tensor], has_biases: bool,  # noqa: A002
+              num_layers: int, dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple[Any, Any]:
+    """CPU torch's ``_rnn_impl_with_concat``, one layer (both directions) per :class:`_PeerLayer`: the same
+    layer composites on the same operands, the dropout between layers its own op, as there."""
+    per, dirs = 4 if has_biases else 2, 2 if bidirectional else 1
+    x = input.transpose(0, 1) if batch_first else input
+    last = []
+    for layer in range(num_layers):
+        k = layer * dirs
+        x, h = _PeerLayer.apply(name, has_biases, bidirectional, x, hx[k:k + dirs], *params[k * per:(k + dirs) * per])
+        last.append(h)
+        if dropout != 0 and train and layer < num_layers - 1:
+            x = torch.dropout(x, dropout, True)
+    return (x.transpose(0, 1) if batch_first else x), (last[0] if num_layers == 1 else torch.cat(last, 0))
+
+
+class _PeerLayer(torch.autograd.Function):
+    """One layer of ``nn.GRU`` / ``nn.RNN`` on a CPU peer: forward, one call of the peer's ``torch.rnn_layer``
+    (torch's layer composite, run as CPU torch runs it); backward, one call of ``torch.rnn_layer_backward``,
+    which recomputes that layer with autograd on (``server/execute/rnn_recompute.py``). Both say which operands
+    require grad here: the composite's rounding depends on it."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str, has_biases: bool, bidirectional: bool, x: Tensor, hx: Tensor,
+                *params: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)  # (an unused output's gradient stays None, as in CPU torch's graph)
+        ctx.grads = [t.requires_grad for t in (x, hx, *params)]
+        ctx.layer = [name, has_biases, bidirectional, ctx.grads]
+        ctx.save_for_backward(x, hx, *params)
+        dirs, hidden = 2 if bidirectional else 1, params[1].shape[1]
+        like = [(x.shape[0], x.shape[1], dirs * hidden), (dirs, x.shape[1], hidden)]
+        return tuple(_peer_call("torch.rnn_layer", ctx.layer, [x, hx, *params], [(s, x.dtype) for s in like]))
+
+    @staticmethod
+    def backward(ctx: Any, g_out: Tensor | None, g_hn: Tensor | None) -> tuple[Any, ...]:
+        x, hx, *params = ctx.saved_tensors
+        given = [g for g in (g_out, g_hn) if g is not None]
+        if not given or not any(ctx.grads):
+            return (None,) * (3 + len(ctx.grads))
+        operands = [x, hx, *given, *params]
+        wanted = [t for t, g in zip((x, hx, *params), ctx.grads) if g]
+        got = iter(_peer_call("torch.rnn_layer_backward", [*ctx.layer, g_out is not None, g_hn is not None],
+                              operands, [(t.shape, t.dtype) for t in wanted]))
+        return (None, None, None, *[next(got) if g else None for g in ctx.grads])
+
+
+def _peer_call(name: str, a: list[Any], operands: list[Tensor], outs: list[tuple[Any, torch.dtype]]) -> list[Tensor]:
+    """Record the internal op ``name`` (``protocol/aten.py``'s INTERNAL) on ``operands`` and make its outputs,
+    contiguous, of the given (shape, dtype)."""
+    refs = [ref_of(t) for t in operands]
+    s = live_session(refs[0])
+    for r in refs:
+        if r.pending is not None:
+            materialize(r)
+    specs = [[j, list(shape), list(torch.empty(shape, device="meta").stride()), 0, dtype_name(dtype),
+              math.prod(shape) * dtype.itemsize] for j, (shape, dtype) in enumerate(outs)]
+    sids = [next(s.ids) for _ in outs]
+    s.record([D._OP, name, [r.sid for r in refs], 0, sids, {"a": a, "l": D.layouts_of(operands), "o": specs}])
+    dev = refs[0].device
+    return [new_tensor(dtype, spec[1], spec[2], 0, ref=StorageRef(sid, s, dev))
+            for (_, dtype), spec, sid in zip(outs, specs, sids)]
 
 
 def _simple_step(act: Any) -> Any:

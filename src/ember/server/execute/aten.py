@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ...protocol import aten as A
-from . import device_gaps, positions, rnn_cells, rnn_layer
+from . import device_gaps, positions, rnn_cells, rnn_layer, rnn_recompute
 from .backends import UnknownOp
 from .eager import GENERIC, plan_for
 from .session_random import SessionRandom
@@ -445,7 +445,8 @@ def internal_ops(device: torch.device, rng: SessionRandom, max_tensor: int) -> d
             raise ValueError("array_of takes one layout")
         return operand(buf, l[0], device).clone(memory_format=torch.contiguous_format)
 
-    return {"torch.alloc": alloc, "torch.seed": seed, "torch.storage_of": storage_of, "torch.array_of": array_of}
+    return {"torch.alloc": alloc, "torch.seed": seed, "torch.storage_of": storage_of, "torch.array_of": array_of,
+            **rnn_recompute.ops(device, operand, as_storage)}
 
 
 class Refused:
