@@ -1,7 +1,8 @@
 """Tiny Hugging Face models of several families, unchanged, train and generate on ember bit-equal to local CPU:
 RoPE with grouped-query attention (Llama), a learned attention bias as SDPA's mask (T5), a Mixture of Experts
-routed by ``histc`` and grouped matmuls (Mixtral), ALiBi (BLOOM), an encoder-decoder (BART). Each found a bug
-when first run this way (the mask's requires_grad, float32 grouped matmuls, integer ``histc``)."""
+routed by ``histc`` and grouped matmuls (Mixtral), ALiBi (BLOOM), an encoder-decoder (BART), GPT-2 in bfloat16.
+Each found a bug when first run this way (the mask's requires_grad, float32 grouped matmuls, integer ``histc``,
+a half-precision LayerNorm's statistics typed as CUDA types them)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ MODELS: dict[str, Callable[[], Any]] = {
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0,
         attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         decoder_start_token_id=2, forced_eos_token_id=None)),
+    # LayerNorm in half precision: CPU keeps its saved statistics in bfloat16, its meta kernel says float32
+    "gpt2-bfloat16": lambda: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=101, n_embd=32, n_layer=2, n_head=4,
+                                                           n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                           attn_pdrop=0.0)).to(torch.bfloat16),
 }
 
 

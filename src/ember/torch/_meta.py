@@ -177,13 +177,51 @@ def _as_on_cpu(name: str) -> Any:
     return meta
 
 
+def _stats_as_on_cpu(name: str, params: tuple[int, ...]) -> Any:
+    """A norm's meta kernel, its saved statistics (outputs 1 and 2) typed as the CPU kernel types them: in the
+    input's dtype when that is float16 / bfloat16 and the first given of the parameters (``params``: weight,
+    bias, running stats) is of it too, else float32 (``is_mixed_type`` / ``param_scalar_type`` in ATen's
+    ``layer_norm.cpp``, ``group_norm.cpp``, ``Normalization.cpp``). The meta kernels keep float32 (layer and
+    batch norm, as CUDA does) or the input's dtype (group norm), and the peer's result was refused for the
+    difference: no half-precision ``LayerNorm`` ran."""
+    _ns, packet, overload = name.split(".")
+    op = getattr(getattr(torch.ops.aten, packet), overload)
+
+    def meta(*args: Any) -> Any:
+        out = op(*args)
+        x = args[0]
+        if x.dtype in (torch.float16, torch.bfloat16):
+            given = next((args[k].dtype for k in params if k < len(args) and isinstance(args[k], torch.Tensor)), None)
+            dtype = x.dtype if given in (None, x.dtype) else torch.float32
+            out = (out[0], *[torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta") for t in out[1:3]],
+                   *out[3:])
+        return out
+    return meta
+
+
+def _group_norm_backward_meta(grad_out: Any, x: Any, mean: Any, rstd: Any, weight: Any, *rest: Any) -> Any:
+    """``native_group_norm_backward``'s gradients typed as the CPU kernel makes them (``empty_like`` the input and
+    the weight); the meta kernel follows the statistics' dtype, float32 for a half input under float32 weights."""
+    out = torch.ops.aten.native_group_norm_backward.default(grad_out, x, mean, rstd, weight, *rest)
+    like = (x, weight, weight)
+    return tuple(t if t is None or w is None or t.dtype is w.dtype else
+                 torch.empty_strided(t.shape, t.stride(), dtype=w.dtype, device="meta") for t, w in zip(out, like))
+
+
 _OWN_META = {"aten.mkldnn_rnn_layer.default": rnn_layer.meta_layer, "aten._grouped_mm.default": _grouped_mm_meta,
              "aten.convolution.default": _as_on_cpu("aten.convolution.default"),
              "aten.convolution_backward.default": _as_on_cpu("aten.convolution_backward.default"),
-             "aten.pixel_shuffle.default": _as_on_cpu("aten.pixel_shuffle.default")}
+             "aten.pixel_shuffle.default": _as_on_cpu("aten.pixel_shuffle.default"),
+             **{n: _stats_as_on_cpu(n, params) for n, params in (
+                 ("aten.native_layer_norm.default", (2, 3)), ("aten.native_group_norm.default", (1, 2)),
+                 ("aten.native_batch_norm.default", (1, 2, 3, 4)),
+                 ("aten._native_batch_norm_legit.default", (1, 2, 3, 4)), ("aten._native_batch_norm_legit.no_stats", (1, 2)),
+                 ("aten._native_batch_norm_legit_no_training.default", (1, 2, 3, 4)))},
+             "aten.native_group_norm_backward.default": _group_norm_backward_meta}
 """Ops whose meta kernel sizes an output otherwise than the CPU kernel (oneDNN's LSTM workspace), lays it out
-otherwise (a convolution's or ``pixel_shuffle``'s memory format) or refuses what it takes (``_grouped_mm`` in
-float32): shaped here."""
+otherwise (a convolution's or ``pixel_shuffle``'s memory format), types it otherwise (a float16 / bfloat16 norm's
+saved mean and inverse std: float32 in the meta kernel, as CUDA keeps them; the input's dtype on the CPU when its
+weight is of it too) or refuses what it takes (``_grouped_mm`` in float32): shaped here."""
 
 _META_DIFFERS = {"_embedding_bag": "include_last_offset", "_embedding_bag_forward_only": "include_last_offset"}
 """Ops whose meta kernel infers other auxiliary shapes than the CPU/CUDA kernels when a flag is set: run as

@@ -28,7 +28,7 @@ from . import _devices as Dv
 from . import _dispatch as D
 from . import _transfer as T
 from ._schema import bound, info
-from ._storage import StorageRef, layout_of, live_session, ref_of, set_layout
+from ._storage import StorageRef, layout_of, live_session, ref_of, ref_or_none, set_layout
 
 aten = torch.ops.aten
 
@@ -443,6 +443,28 @@ def _install_backward_thread() -> None:
     autograd._engine_run_backward = _engine_run_backward
 
 
+def _install_optimizer_defaults() -> None:
+    """``NAdam``, ``RAdam`` and ``ASGD`` left at ``foreach=None`` take torch's single-tensor path on a CPU peer's
+    parameters, as on CPU. Torch picks the multi-tensor path for any accelerator, ember too, and those three
+    round otherwise in it (the other optimizers' two paths are bit-equal): on a CPU peer that made unchanged
+    code differ from local CPU by ~1e-7 a step."""
+    import torch.optim.asgd as asgd
+    import torch.optim.nadam as nadam
+    import torch.optim.radam as radam
+    for mod in (nadam, radam, asgd):
+        orig = mod._default_to_fused_or_foreach
+        if getattr(orig, "_ember", False):
+            continue
+
+        def default(params: Any, differentiable: bool, use_fused: bool = False, _orig: Any = orig) -> Any:
+            refs = [ref_or_none(p) for p in params if p is not None]
+            if refs and all(r is not None and r.device.info.get("spec") == "torch:cpu" for r in refs):
+                return False, False
+            return _orig(params, differentiable, use_fused)
+        default._ember = True  # type: ignore[attr-defined]
+        mod._default_to_fused_or_foreach = default
+
+
 def install() -> list[Any]:
     """Install the patches; returns the torch.library registrations to keep alive."""
     lib = torch.library.Library("aten", "IMPL")
@@ -456,6 +478,7 @@ def install() -> list[Any]:
     _install_pinning()
     _install_default_compile()
     _install_threads()
+    _install_optimizer_defaults()
     _install_backward_thread()
     from . import _checkpoint
     _checkpoint.install()
