@@ -201,3 +201,17 @@ def test_half_precision_norms_type_their_statistics_as_cpu_does(dtype: Any, mixe
     assert len(want) == len(got)
     for a, b in zip(want, got):
         assert a.dtype == b.dtype and torch.equal(a, b), (a - b).abs().max()
+
+
+def test_lapack_and_fft_results_keep_cpus_layouts() -> None:
+    """torch's meta kernels lay out ``linalg.eig``'s eigenvectors, ``svd``'s ``Vh`` and an n-d real FFT otherwise
+    than the CPU kernels (LAPACK's column-major; the FFT's last-dim strides): the client now asks CPU's rule, so
+    the results, and whatever is computed from them, are laid out as on CPU."""
+    a = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    calls = [lambda t: torch.linalg.svd(t), lambda t: torch.linalg.svd(t, full_matrices=False),
+             lambda t: torch.linalg.eig(t[:4]), lambda t: torch.fft.rfftn(t), lambda t: torch.fft.rfft2(t)]
+    with ember.connect("local:torch"):
+        for f in calls:
+            want, got = f(a), f(a.to("ember"))
+            for w, g in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
+                assert w.stride() == g.stride() and torch.equal(w, g.cpu())
