@@ -174,7 +174,8 @@ def _as_on_cpu(name: str) -> Any:
         vals = [[fake(x) for x in a] if isinstance(a, list) else fake(a) for a in args]
         names = [(a.name, a.kwarg_only) for a in op._schema.arguments]
         with mode:  # (the values come in schema order: keyword-only ones by name)
-            out = op(*[v for v, (_, kw) in zip(vals, names) if not kw], **{n: v for v, (n, kw) in zip(vals, names) if kw})
+            out = op(*[v for v, (_, kw) in zip(vals, names) if not kw],
+                     **{n: v for v, (n, kw) in zip(vals, names) if kw})
         return back(out) if not isinstance(out, tuple) else tuple(back(t) for t in out)
     return meta
 
@@ -214,11 +215,13 @@ _OWN_META = {"aten.mkldnn_rnn_layer.default": rnn_layer.meta_layer, "aten._group
              "aten.convolution.default": _as_on_cpu("aten.convolution.default"),
              "aten.convolution_backward.default": _as_on_cpu("aten.convolution_backward.default"),
              "aten.pixel_shuffle.default": _as_on_cpu("aten.pixel_shuffle.default"),
-             **{n: _as_on_cpu(n) for n in ("aten._fft_r2c.default", "aten.linalg_eig.default", "aten._linalg_svd.default")},
+             **{n: _as_on_cpu(n) for n in ("aten._fft_r2c.default", "aten.linalg_eig.default",
+                                           "aten._linalg_svd.default")},
              **{n: _stats_as_on_cpu(n, params) for n, params in (
                  ("aten.native_layer_norm.default", (2, 3)), ("aten.native_group_norm.default", (1, 2)),
                  ("aten.native_batch_norm.default", (1, 2, 3, 4)),
-                 ("aten._native_batch_norm_legit.default", (1, 2, 3, 4)), ("aten._native_batch_norm_legit.no_stats", (1, 2)),
+                 ("aten._native_batch_norm_legit.default", (1, 2, 3, 4)),
+                 ("aten._native_batch_norm_legit.no_stats", (1, 2)),
                  ("aten._native_batch_norm_legit_no_training.default", (1, 2, 3, 4)))},
              "aten.native_group_norm_backward.default": _group_norm_backward_meta}
 """Ops whose meta kernel sizes an output otherwise than the CPU kernel (oneDNN's LSTM workspace), lays it out
