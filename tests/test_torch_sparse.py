@@ -47,6 +47,16 @@ def _same(cpu: Any, got: Any) -> None:
         assert torch.equal(got, cpu)
 
 
+def _matrix() -> torch.Tensor:
+    """A 2-d sparse matrix with a repeated index (not coalesced), as a graph's adjacency is often built."""
+    i = torch.tensor([[3, 0, 3, 1, 0, 2], [2, 1, 2, 4, 1, 0]])
+    return torch.sparse_coo_tensor(i, torch.linspace(-1.0, 2.0, 6, dtype=torch.float64), (4, 5), check_invariants=True)
+
+
+def _rhs(rows: int = 5) -> torch.Tensor:
+    return torch.randn(rows, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+
 CASES: dict[str, Callable[[str], Any]] = {
     "to_sparse": lambda d: _dense().to(d).to_sparse(),
     "to_sparse_1": lambda d: _dense().to(d).to_sparse(1),
@@ -66,6 +76,10 @@ CASES: dict[str, Callable[[str], Any]] = {
     "neg_clone": lambda d: (-_dense().to(d).to_sparse()).clone(),
     "sum": lambda d: _uncoalesced().to(d).sum(),
     "sparse_mask": lambda d: _dense().to(d).sparse_mask(_uncoalesced().to(d).coalesce()),
+    "mm": lambda d: torch.mm(_matrix().to(d), _rhs().to(d)),
+    "spmm_coalesced": lambda d: torch.spmm(_matrix().coalesce().to(d), _rhs().to(d)),
+    "t": lambda d: _matrix().to(d).t(),
+    "t_mm": lambda d: torch.mm(_matrix().to(d).t(), _rhs(4).to(d)),
 }
 
 
@@ -109,3 +123,63 @@ def test_out_of_range_indices_are_refused_by_the_peer_not_read(where: None) -> N
         s.to_dense().cpu()
     assert "index" in str(e.value).lower() or "bound" in str(e.value).lower()
     assert torch.equal(torch.ones(2, device="ember").cpu(), torch.ones(2))
+
+
+class GCN(torch.nn.Module):
+    """pytorch/examples' gcn, small: two graph convolutions (``spmm`` of the sparse adjacency with the features
+    times a weight, a sparse feature matrix in the first), ReLU, log-softmax."""
+
+    def __init__(self, n_in: int, n_hidden: int, n_out: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.w1 = torch.nn.Parameter(torch.randn(n_in, n_hidden, generator=g) * 0.3)
+        self.w2 = torch.nn.Parameter(torch.randn(n_hidden, n_out, generator=g) * 0.3)
+
+    def forward(self, x: Any, adj: Any) -> Any:
+        h = torch.relu(torch.spmm(adj, torch.mm(x, self.w1)))
+        return torch.log_softmax(torch.spmm(adj, torch.mm(h, self.w2)), dim=1)
+
+
+def _gcn(device: str) -> tuple[list[float], list[Any]]:
+    g = torch.Generator().manual_seed(1)
+    n = 30
+    x = (torch.rand(n, 12, generator=g) > 0.7).float()
+    edges = torch.randint(0, n, (2, 80), generator=g)
+    adj = torch.sparse_coo_tensor(torch.cat([edges, edges.flip(0), torch.arange(n).repeat(2, 1)], 1),
+                                  torch.rand(2 * 80 + n, generator=g), (n, n), check_invariants=True)  # repeated edges
+    y = torch.randint(0, 4, (n,), generator=g)
+    model = GCN(12, 8, 4).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
+    xs, adj, y = x.to_sparse().to(device), adj.to(device), y.to(device)
+    losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        loss = torch.nn.functional.nll_loss(model(xs, adj), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+def test_a_graph_network_with_a_sparse_adjacency_trains_bit_equal_to_cpu(where: None) -> None:
+    """``spmm`` and its backward (``adj.t() @ grad``) by CPU torch's own sparse kernel on the peer, which adds each
+    nonzero's products in the order of the nonzeros (no composition of dense ops rounds so)."""
+    want, got = _gcn("cpu"), _gcn("ember")
+    assert want[0] == got[0]
+    assert all(torch.equal(a, b) for a, b in zip(want[1], got[1]))
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda kw: kw["a"].__setitem__(0, 2), "index|size|bound"),        # fewer rows than an index names
+    (lambda kw: kw["a"].__setitem__(2, True), "coalesced"),            # a matrix with a repeated index called coalesced
+    (lambda kw: kw["a"].__setitem__(1, 1 << 40), "malformed"),         # a side past the limit
+    (lambda kw: kw["l"].__setitem__(0, [[2, 6], [6, 1], 0, "int32"]), "int64"),
+], ids=["index-past-rows", "false-coalesced", "huge-side", "int32-indices"])
+def test_a_hostile_sparse_mm_is_refused_by_the_peer_and_the_session_goes_on(change: Any, words: str) -> None:
+    from ember.errors import RemoteExecutionError
+    from test_torch_positions import edit_next_op
+    with ember.connect("local:torch"):
+        a, b = _matrix().to("ember"), _rhs().to("ember")
+        with edit_next_op(change, only="torch.sparse_mm"), pytest.raises(RemoteExecutionError, match=words):
+            torch.mm(a, b).cpu()
+        assert torch.equal(torch.mm(a, b).cpu(), torch.mm(_matrix(), _rhs()))

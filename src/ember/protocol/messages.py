@@ -142,7 +142,7 @@ MAX_DATA_HEAD = 4096
 #: Tensors up to this many bytes travel inside a batch (MessagePack ``bin``), larger ones in data frames.
 INLINE_DATA = 64 * 1024
 #: Optional wire features this version speaks, negotiated in Hello / Welcome.
-FEATURES = ("data", "lanes", "compile", "offsets", "rnn_layers")
+FEATURES = ("data", "lanes", "compile", "offsets", "rnn_layers", "sparse_mm")
 DATA_FEATURE = "data"
 #: Compiled graphs on the peer (``ember serve --compile``; server/execute/compiled.py): offered only by a
 #: client that asks for them (``connect(..., compile=True)``), agreed only by a peer started with the option.
@@ -152,6 +152,8 @@ OFFSETS_FEATURE = "offsets"
 #: The internal ops ``torch.rnn_layer`` and ``torch.rnn_layer_backward`` (``server/execute/rnn_recompute.py``): an
 #: ``nn.GRU`` / ``nn.RNN`` layer and its backward in two ops, not ~10 per time step.
 RNN_FEATURE = "rnn_layers"
+#: The internal op ``torch.sparse_mm`` (``server/execute/sparse_mm.py``): a sparse COO matrix times a dense one.
+SPARSE_MM_FEATURE = "sparse_mm"
 #: Several streams per large transfer (``protocol.lanes``); only with ``"data"``.
 LANES_FEATURE = "lanes"
 

@@ -26,17 +26,15 @@ with grad on, and reads nothing else from that argument): the peer runs the laye
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from ..protocol import codec
 from ..protocol import messages as m
 from ..server.execute.rnn_layer import LSTM
 from . import _dispatch as D
-from ._devices import materialize
-from ._storage import StorageRef, dtype_name, live_session, new_tensor, ref_of, ref_or_none
+from ._internal import agreed, call
+from ._storage import ref_or_none
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -178,9 +176,8 @@ def _rnn_layers(name: str, step: Any) -> Any:
 def _whole_layers(input: Tensor) -> bool:  # noqa: A002
     """Does the peer run a layer whole (feature ``"rnn_layers"``)? Not while a capture or an optimizer step
     records the calls (they see ops through the dispatcher, and this layer's backward is recorded by hand)."""
-    s = ref_of(input).session
     return D.note is None and D.guide is None and input.dtype in (torch.float32, torch.float64) \
-        and m.RNN_FEATURE in codec.agreed_features(s.welcome_features)
+        and agreed(input, m.RNN_FEATURE)
 
 
 def _by_layer(name: str, input: Tensor, hx: Tensor, params: list[Tensor], has_biases: bool,  # noqa: A002
@@ -214,7 +211,7 @@ class _PeerLayer(torch.autograd.Function):
         ctx.save_for_backward(x, hx, *params)
         dirs, hidden = 2 if bidirectional else 1, params[1].shape[1]
         like = [(x.shape[0], x.shape[1], dirs * hidden), (dirs, x.shape[1], hidden)]
-        return tuple(_peer_call("torch.rnn_layer", ctx.layer, [x, hx, *params], [(s, x.dtype) for s in like]))
+        return tuple(call("torch.rnn_layer", ctx.layer, [x, hx, *params], [(s, x.dtype) for s in like]))
 
     @staticmethod
     def backward(ctx: Any, g_out: Tensor | None, g_hn: Tensor | None) -> tuple[Any, ...]:
@@ -224,26 +221,9 @@ class _PeerLayer(torch.autograd.Function):
             return (None,) * (3 + len(ctx.grads))
         operands = [x, hx, *given, *params]
         wanted = [t for t, g in zip((x, hx, *params), ctx.grads) if g]
-        got = iter(_peer_call("torch.rnn_layer_backward", [*ctx.layer, g_out is not None, g_hn is not None],
+        got = iter(call("torch.rnn_layer_backward", [*ctx.layer, g_out is not None, g_hn is not None],
                               operands, [(t.shape, t.dtype) for t in wanted]))
         return (None, None, None, *[next(got) if g else None for g in ctx.grads])
-
-
-def _peer_call(name: str, a: list[Any], operands: list[Tensor], outs: list[tuple[Any, torch.dtype]]) -> list[Tensor]:
-    """Record the internal op ``name`` (``protocol/aten.py``'s INTERNAL) on ``operands`` and make its outputs,
-    contiguous, of the given (shape, dtype)."""
-    refs = [ref_of(t) for t in operands]
-    s = live_session(refs[0])
-    for r in refs:
-        if r.pending is not None:
-            materialize(r)
-    specs = [[j, list(shape), list(torch.empty(shape, device="meta").stride()), 0, dtype_name(dtype),
-              math.prod(shape) * dtype.itemsize] for j, (shape, dtype) in enumerate(outs)]
-    sids = [next(s.ids) for _ in outs]
-    s.record([D._OP, name, [r.sid for r in refs], 0, sids, {"a": a, "l": D.layouts_of(operands), "o": specs}])
-    dev = refs[0].device
-    return [new_tensor(dtype, spec[1], spec[2], 0, ref=StorageRef(sid, s, dev))
-            for (_, dtype), spec, sid in zip(outs, specs, sids)]
 
 
 def _simple_step(act: Any) -> Any:

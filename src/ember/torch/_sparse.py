@@ -11,7 +11,9 @@ ops, as torch writes its own sparse kernels; the ones that read the impl's field
 Held: making one (``to_sparse()`` / ``to_sparse(sparse_dim)``, ``torch.sparse_coo_tensor`` with ember
 indices and values, a CPU sparse tensor ``.to("ember")``), reading it back (``.cpu()``, ``to_dense()``,
 ``indices()``/``values()``, ``coalesce()``), ``clone``, ``neg``, ``add``/``sub`` of two sparse tensors,
-``mul`` by a dense tensor or a scalar, ``sum``, ``sparse_mask`` and autograd through them. Any other
+``mul`` by a dense tensor or a scalar, ``sum``, ``sparse_mask``, a matrix's ``t()``, and autograd through them;
+and a sparse matrix times a dense one (``mm``, ``spmm``), which CPU torch's own kernel computes on the peer
+(``server/execute/sparse_mm.py``: the peer rebuilds the sparse matrix there, its invariants checked). Any other
 op on a sparse ember tensor, and sparse CSR/CSC/BSR/BSC layouts, raise ``NotImplementedError``
 naming the op (``_device._sparse_refused``).
 """
@@ -165,10 +167,35 @@ def sparse_mask(dense: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return _make(indices.clone(), values.contiguous(), mask.shape, mask.is_coalesced())
 
 
+def t(s: torch.Tensor) -> torch.Tensor:
+    """A sparse matrix's transpose as CPU torch makes it: the indices' two rows swapped, not coalesced."""
+    if s.dim() != 2 or s.sparse_dim() != 2:
+        raise NotImplementedError("aten.t on ember: only a 2-d sparse matrix of two sparse dims is held")
+    return _make(s._indices().flip(0), s._values().clone(), (s.shape[1], s.shape[0]), False)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A sparse matrix times a dense one, by CPU torch's own kernel on the peer (``server/execute/sparse_mm.py``:
+    graph networks' ``torch.spmm(adj, x)`` and its backward, bit-equal to local CPU)."""
+    from ..protocol import messages as m
+    from ._internal import agreed, call
+    if not a.is_sparse or b.is_sparse or a.dim() != 2 or a.sparse_dim() != 2 or b.dim() != 2 \
+            or not agreed(b, m.SPARSE_MM_FEATURE):
+        raise NotImplementedError("aten.mm on ember: a 2-d sparse COO matrix times a dense matrix is held, on a peer "
+                                  "that runs torch.sparse_mm; use .to_dense() for the rest")
+    if a.shape[1] != b.shape[0]:
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({a.shape[0]}x{a.shape[1]} and "
+                           f"{b.shape[0]}x{b.shape[1]})")
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"mm: expected mat1 and mat2 to have the same dtype, but got: {a.dtype} != {b.dtype}")
+    return call("torch.sparse_mm", [a.shape[0], a.shape[1], a.is_coalesced()], [a._indices(), a._values(), b],
+                [((a.shape[0], b.shape[1]), b.dtype)])[0]
+
+
 #: ATen name -> kernel for sparse ember operands (SparsePrivateUse1).
 SPARSE_KERNELS = {"_to_dense": to_dense, "_coalesce": coalesce, "clone": clone, "neg": neg,
                   "add.Tensor": add, "sub.Tensor": sub, "mul.Tensor": mul, "sum": sum_all,
-                  "sparse_mask": sparse_mask}
+                  "sparse_mask": sparse_mask, "t": t, "mm": mm}
 #: ATen name -> kernel for a dense ember operand making a sparse tensor (PrivateUse1).
 DENSE_KERNELS = {"_to_sparse": to_sparse_layout, "_to_sparse.sparse_dim": to_sparse_dim}
 

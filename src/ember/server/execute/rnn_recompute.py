@@ -40,6 +40,8 @@ from typing import Any, Callable
 
 import torch
 
+from .internal_calls import call
+
 #: The layer composites a client sends one layer at a time, by ATen name, with torch's own function for each.
 LAYERS: dict[str, Callable[..., Any]] = {"gru": torch._VF.gru, "rnn_tanh": torch._VF.rnn_tanh,
                                          "rnn_relu": torch._VF.rnn_relu}
@@ -99,33 +101,9 @@ def layer_backward(a: Any, ts: list[Tensor]) -> list[Tensor]:
 
 def ops(device: Any, operand: Callable[[Any, Any, Any], Tensor],
         as_storage: Callable[[Tensor], Tensor]) -> dict[str, Callable[..., Any]]:
-    """The two internal ops on ``device`` (``aten.internal_ops``): operands made from storage values and layouts
-    by ``operand``, results checked against their specs and returned as storage values (``as_storage``)."""
-    dtypes = {str(t).removeprefix("torch."): t for t in _FLOATS}
-
-    def call(run: Callable[[Any, list[Tensor]], list[Tensor]]) -> Callable[..., Any]:
-        def op(*bufs: Any, a: Any, l: Any, o: Any) -> Any:  # noqa: E741
-            if type(l) is not list or len(l) != len(bufs) or type(o) is not list:
-                raise ValueError("malformed RNN layer call: one layout per operand, a list of output specs")
-            res = run(a, [operand(b, lay, device) for b, lay in zip(bufs, l)])
-            if len(o) != len(res):
-                raise ValueError(f"this RNN layer call makes {len(res)} outputs, not {len(o)}")
-            stored = [_stored(r, spec, dtypes, as_storage) for r, spec in zip(res, o)]
-            return stored[0] if len(stored) == 1 else tuple(stored)  # (one output: the value itself, as ATen's)
-        return op
-    return {"torch.rnn_layer": call(layer), "torch.rnn_layer_backward": call(layer_backward)}
-
-
-def _stored(r: Tensor, spec: Any, dtypes: dict[str, Any], as_storage: Callable[[Tensor], Tensor]) -> Tensor:
-    """Result ``r`` as a storage value of exactly its spec (a contiguous layout of its shape and dtype)."""
-    r = r.contiguous()
-    if type(spec) is not list or len(spec) != 6 or spec[1] != list(r.shape) or spec[2] != list(r.stride()) \
-            or spec[3] != 0 or dtypes.get(spec[4]) is not r.dtype or spec[5] != r.numel() * r.element_size():
-        raise ValueError(f"output spec {str(spec)[:100]} is not a contiguous {list(r.shape)} {r.dtype}")
-    r = r.contiguous()
-    if r.storage_offset() or r.untyped_storage().nbytes() != spec[5]:
-        r = r.clone()
-    return as_storage(r)
+    """The two internal ops on ``device`` (``aten.internal_ops``; operands and results by :mod:`.internal_calls`)."""
+    return {"torch.rnn_layer": call(layer, device, operand, as_storage),
+            "torch.rnn_layer_backward": call(layer_backward, device, operand, as_storage)}
 
 
 __all__ = ["LAYERS", "layer", "layer_backward", "ops"]

@@ -1,0 +1,47 @@
+"""A sparse COO matrix times a dense one on a CPU peer, by CPU torch's own kernel (``torch.sparse_mm``).
+
+The peer holds no sparse tensors (``protocol/aten.py`` refuses every sparse ATen op): a sparse ember tensor
+is dense indices and values on the peer (``ember/torch/_sparse.py``). Graph networks multiply one by a
+dense matrix every layer (pytorch/examples' gcn: ``torch.spmm(adj, x)``, and autograd's ``adj.t() @
+grad``), and CPU torch does it with one kernel that adds each nonzero's row of products in the order of
+the nonzeros, rounding as no composition of dense ops does. ``torch.sparse_mm`` rebuilds the sparse
+matrix on the peer from its indices and values -- ``sparse_coo_tensor`` with its invariants checked:
+every index within the sizes, and a matrix the client calls coalesced really sorted and unique -- and runs
+that kernel: bit-equal to local CPU.
+
+Message (:mod:`.internal_calls`): operands ``indices`` (int64, ``[2, nnz]``), ``values`` (``[nnz]``),
+``dense`` (``[m, k]``); ``a`` = ``[n, m, coalesced]``; one output, ``[n, k]`` of the values' dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .internal_calls import call
+
+Tensor = torch.Tensor
+#: The largest side of a sparse matrix (an int64 linear index of its nonzeros must not overflow).
+MAX_SIDE = 1 << 31
+
+
+def sparse_mm(a: Any, ts: list[Tensor]) -> list[Tensor]:
+    """``[sparse(indices, values, (n, m)) @ dense]``."""
+    if type(a) is not list or len(a) != 3 or any(type(x) is not int or not 0 <= x < MAX_SIDE for x in a[:2]) \
+            or type(a[2]) is not bool or len(ts) != 3:
+        raise ValueError(f"malformed torch.sparse_mm call: a = [rows, columns, coalesced], three operands; got "
+                         f"{str(a)[:60]}")
+    indices, values, dense = ts
+    if indices.dtype is not torch.int64 or indices.dim() != 2 or indices.shape[0] != 2 or values.dim() != 1:
+        raise ValueError("torch.sparse_mm: int64 indices of shape [2, nnz] and values of shape [nnz]")
+    s = torch.sparse_coo_tensor(indices, values, (a[0], a[1]), is_coalesced=a[2], check_invariants=True)
+    return [torch.mm(s, dense)]
+
+
+def ops(device: Any, operand: Callable[[Any, Any, Any], Tensor],
+        as_storage: Callable[[Tensor], Tensor]) -> dict[str, Callable[..., Any]]:
+    return {"torch.sparse_mm": call(sparse_mm, device, operand, as_storage)}
+
+
+__all__ = ["sparse_mm", "ops", "MAX_SIDE"]
