@@ -221,8 +221,8 @@ class _PeerLayer(torch.autograd.Function):
             return (None,) * (3 + len(ctx.grads))
         operands = [x, hx, *given, *params]
         wanted = [t for t, g in zip((x, hx, *params), ctx.grads) if g]
-        got = iter(call("torch.rnn_layer_backward", [*ctx.layer, g_out is not None, g_hn is not None],
-                              operands, [(t.shape, t.dtype) for t in wanted]))
+        got = iter(call("torch.rnn_layer_backward", [*ctx.layer, g_out is not None, g_hn is not None], operands,
+                        [(t.shape, t.dtype) for t in wanted]))
         return (None, None, None, *[next(got) if g else None for g in ctx.grads])
 
 
