@@ -231,3 +231,32 @@ def test_the_attention_kernel_follows_dropout_as_on_cpu_for_the_same_shapes() ->
             torch.manual_seed(1)
             got = F.scaled_dot_product_attention(Q, K, V, dropout_p=p, is_causal=causal).cpu()
             assert torch.equal(want, got), (p, causal, (want - got).abs().max())
+
+
+def test_deepcopy_of_ember_tensors_and_storages_copies_on_the_peer() -> None:
+    """``copy.deepcopy`` of a model with buffers (an EMA copy, ``AveragedModel``), of a ``state_dict`` ("keep the best
+    weights") or of a plain tensor copies each storage on the peer, views of one storage staying views of one copy;
+    ``UntypedStorage(n, device="ember")`` is a zeroed storage. torch made both through an allocator a Python device
+    does not have: the process died."""
+    import copy
+    with ember.connect("local:torch"):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to("ember")
+        m(torch.randn(3, 4).to("ember"))
+        c = copy.deepcopy(m)
+        for a, b in zip(m.state_dict().values(), c.state_dict().values()):
+            assert torch.equal(a.cpu(), b.cpu())
+        best = copy.deepcopy(m.state_dict())
+        with torch.no_grad():
+            m[0].weight.add_(1.0)
+            m[1].running_mean.add_(1.0)
+        assert not torch.equal(best["0.weight"].cpu(), m[0].weight.cpu())
+        assert torch.equal(best["1.running_mean"].cpu() + 1, m[1].running_mean.cpu())
+        t = torch.arange(6.0).reshape(2, 3).to("ember")
+        d = copy.deepcopy({"t": t, "row": t[1]})
+        assert d["row"].untyped_storage().data_ptr() == d["t"].untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+        assert torch.equal(d["row"].cpu(), torch.tensor([3.0, 4.0, 5.0]))
+        st = torch.UntypedStorage(12, device="ember")
+        z = torch.empty(0, device="ember").set_(st, 0, (3,), (1,))
+        assert st.nbytes() == 12 and torch.equal(z.cpu(), torch.zeros(3))
+        assert torch.UntypedStorage(5).nbytes() == 5 and torch.UntypedStorage(2, device="cpu").device.type == "cpu"

@@ -247,6 +247,34 @@ def _install_storage_ids() -> None:
     torch.UntypedStorage.data_ptr = data_ptr  # type: ignore[method-assign]
 
 
+def _install_storage_copies() -> None:
+    """An ember storage made or copied as a storage: ``UntypedStorage(n, device="ember")`` (a zeroed storage of
+    the current Ember device, allocated on first use) and ``storage.clone()``, which ``copy.deepcopy`` of a tensor
+    uses (a ``state_dict``, a model's buffers, an EMA copy; views of one storage stay views of one copy). torch
+    built both through its allocator, which a Python device does not have: the process died (SIGSEGV)."""
+    base_new, base_clone = torch._C.StorageBase.__new__, torch.UntypedStorage.clone
+    if getattr(base_clone, "_ember", False):
+        return
+
+    def new(cls: Any, *args: Any, device: Any = None, **kwargs: Any) -> Any:
+        if device is None or torch.device(device).type != "ember":
+            return base_new(cls, *args, **kwargs) if device is None else base_new(cls, *args, device=device, **kwargs)
+        if cls is not torch.UntypedStorage or len(args) != 1 or type(args[0]) is not int or args[0] < 0 or kwargs:
+            raise NotImplementedError("an ember storage is made as UntypedStorage(nbytes, device='ember') only")
+        dev = Dv.current_device()
+        s = dev.session
+        return D.new_tensor(torch.uint8, [args[0]], [1], 0,
+                            ref=StorageRef(next(s.ids), s, dev, pending=args[0])).untyped_storage()
+
+    def clone(self: Any) -> Any:
+        if getattr(self, "_ember", None) is None:
+            return base_clone(self)
+        return D.new_tensor(torch.uint8, [self.nbytes()], [1], 0, storage=self).clone().untyped_storage()
+    clone._ember = True  # type: ignore[attr-defined]
+    torch.UntypedStorage.__new__ = new  # type: ignore[method-assign]
+    torch.UntypedStorage.clone = clone  # type: ignore[method-assign]
+
+
 def _install_pinning() -> None:
     """``ember`` is torch's accelerator, so ``DataLoader(pin_memory=True)`` pins each batch for it:
     pinning a CPU tensor for ember is a no-op (the tensor itself is returned; a host-to-peer copy is
@@ -474,6 +502,7 @@ def install() -> list[Any]:
     _install_print()
     _install_save()
     _install_storage_ids()
+    _install_storage_copies()
     _install_module_apply()
     _install_pinning()
     _install_default_compile()
