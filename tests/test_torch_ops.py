@@ -215,3 +215,35 @@ def test_lapack_and_fft_results_keep_cpus_layouts() -> None:
             want, got = f(a), f(a.to("ember"))
             for w, g in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
                 assert w.stride() == g.stride() and torch.equal(w, g.cpu())
+
+
+def test_contiguous_tensors_whose_last_dim_is_of_size_one_upload_with_their_strides() -> None:
+    """A channels-last 1x1 convolution's weight (strides (8, 1, 8, 8)) or a transposed row is contiguous to torch
+    with a last stride other than 1: its upload once failed to view its bytes (``model.to(memory_format=
+    torch.channels_last).to("ember")`` of a ResNet or a MobileNet)."""
+    conv = torch.nn.Conv2d(8, 16, 1).to(memory_format=torch.channels_last)
+    for t in (torch.randn(16, 8, 1, 1).to(memory_format=torch.channels_last), torch.randn(1, 3).t(), conv.weight):
+        e = t.to("ember")
+        assert e.stride() == t.stride() and torch.equal(e.cpu(), t.detach())
+    x = torch.randn(1, 3).t()
+    z = torch.zeros(3, 1).to("ember")
+    assert torch.equal(z.copy_(x).cpu(), x)
+    m = conv.to("ember")
+    assert m.weight.stride() == conv.weight.stride()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_weight_norm_in_half_precision_trains_as_on_cpu(dtype: Any) -> None:
+    """CPU keeps weight norm's saved norm in float32 for a float16 weight; the meta kernel said float16, and the peer's
+    result was refused (wav2vec2's and SpeechT5's positional convolutions in float16)."""
+    def run(device: str) -> list[Any]:
+        torch.manual_seed(0)
+        conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 4, 3, padding=1), dim=2)
+        conv = conv.to(dtype).to(device)
+        x = torch.randn(2, 4, 6).to(dtype).to(device)
+        y = conv(x)
+        y.float().pow(2).sum().backward()
+        return [y.detach().cpu()] + [p.grad.cpu() for p in conv.parameters()]
+    with ember.connect("local:torch"):
+        want, got = run("cpu"), run("ember")
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got))

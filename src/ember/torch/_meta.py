@@ -202,6 +202,15 @@ def _stats_as_on_cpu(name: str, params: tuple[int, ...]) -> Any:
     return meta
 
 
+def _weight_norm_meta(v: Any, g: Any, dim: int = 0) -> Any:
+    """``_weight_norm_interface``: its saved norm in float32 for a float16 / bfloat16 ``v``, as the CPU kernel keeps
+    it (the meta kernel keeps float16 in float16)."""
+    w, norm = torch.ops.aten._weight_norm_interface.default(v, g, dim)
+    if v.dtype in (torch.float16, torch.bfloat16) and norm.dtype is not torch.float32:
+        norm = torch.empty_strided(norm.shape, norm.stride(), dtype=torch.float32, device="meta")
+    return w, norm
+
+
 def _group_norm_backward_meta(grad_out: Any, x: Any, mean: Any, rstd: Any, weight: Any, *rest: Any) -> Any:
     """``native_group_norm_backward``'s gradients typed as the CPU kernel makes them (``empty_like`` the input and
     the weight); the meta kernel follows the statistics' dtype, float32 for a half input under float32 weights."""
@@ -223,7 +232,8 @@ _OWN_META = {"aten.mkldnn_rnn_layer.default": rnn_layer.meta_layer, "aten._group
                  ("aten._native_batch_norm_legit.default", (1, 2, 3, 4)),
                  ("aten._native_batch_norm_legit.no_stats", (1, 2)),
                  ("aten._native_batch_norm_legit_no_training.default", (1, 2, 3, 4)))},
-             "aten.native_group_norm_backward.default": _group_norm_backward_meta}
+             "aten.native_group_norm_backward.default": _group_norm_backward_meta,
+             "aten._weight_norm_interface.default": _weight_norm_meta}
 """Ops whose meta kernel sizes an output otherwise than the CPU kernel (oneDNN's LSTM workspace), lays it out
 otherwise (a convolution's or ``pixel_shuffle``'s memory format; LAPACK's column-major eigenvectors and ``Vh``; an
 n-d real FFT's strides), types it otherwise (a float16 / bfloat16 norm's

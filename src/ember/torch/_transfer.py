@@ -33,6 +33,8 @@ _DTYPES = {dtype_name(d): d for d in (torch.bool, torch.uint8, torch.int8, torch
 def _bytes_of(host: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor's bytes as a flat uint8 array (no copy)."""
     if host.dim() and host.numel() > 1:  # (one torch view and numpy's reshape: the cheap way, a batch's path)
+        if host.stride(-1) != 1:  # contiguous, its last dim of size 1 with another stride (a channels-last 1x1 weight)
+            host = host.reshape(-1)
         return host.view(torch.uint8).numpy().reshape(-1)
     flat = host.reshape(-1)
     if flat.numel() == 1 and flat.stride(0) != 1:  # one element, any stride: still "contiguous" to torch
