@@ -247,3 +247,26 @@ def test_weight_norm_in_half_precision_trains_as_on_cpu(dtype: Any) -> None:
     with ember.connect("local:torch"):
         want, got = run("cpu"), run("ember")
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize("mode,psw,pad", [("sum", False, None), ("sum", True, None), ("sum", False, 2),
+                                          ("mean", False, None), ("max", False, None)],
+                         ids=["sum", "sum-weighted", "sum-padding", "mean", "max"])
+def test_embedding_bag_gradients_equal_cpu(mode: str, psw: bool, pad: Any) -> None:
+    """CPU's ``sum`` mode leaves ``offset2bag`` empty (its backward rebuilds it from the offsets); the client sized it
+    one per index and the peer filled it with zeros: every index counted in bag 0, the gradients silently wrong."""
+    def run(device: str, transposed: bool) -> list[Any]:
+        torch.manual_seed(0)
+        bag = torch.nn.EmbeddingBag(10, 3, mode=mode, padding_idx=pad)
+        if transposed:  # (a weight that is not contiguous: CPU's slow path, offset2bag filled)
+            bag.weight = torch.nn.Parameter(bag.weight.detach().t().contiguous().t())
+        bag = bag.to(device)
+        idx, off = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]).to(device), torch.tensor([0, 4, 6]).to(device)
+        w = torch.rand(8).to(device).requires_grad_() if psw else None
+        y = bag(idx, off, per_sample_weights=w)
+        (y * torch.arange(9.0).reshape(3, 3).to(device)).sum().backward()
+        return [y.detach().cpu(), bag.weight.grad.cpu()] + ([w.grad.cpu()] if psw else [])
+    with ember.connect("local:torch"):
+        for transposed in (False, True):
+            want, got = run("cpu", transposed), run("ember", transposed)
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), transposed

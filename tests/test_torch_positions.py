@@ -283,3 +283,24 @@ def test_integer_histc_runs_on_a_cpu_peer_as_cuda_runs_it() -> None:
     assert got.dtype == torch.int32 and got.tolist() == [1, 2, 1, 3]
     with pytest.raises(RuntimeError):  # (local CPU still refuses it: nothing changed for the user's own tensors)
         torch.histc(x, bins=4, min=0, max=3)
+
+
+@pytest.mark.parametrize("offsets,rows", [([1, 2], 2), ([0, 1, 2], 2), ([], 2)],
+                         ids=["first-offset-not-0", "more-bags-than-gradient-rows", "no-offsets"])
+def test_an_empty_offset2bag_is_rebuilt_from_the_offsets_and_checked(offsets: list[int], rows: int) -> None:
+    """CPU's ``sum`` mode leaves ``offset2bag`` empty and the per-sample-weights backward rebuilds it from the offsets:
+    a bag of -1 (offsets not starting at 0) or past the gradient's rows would read outside it. The peer rebuilds it
+    as the kernel does and checks it; a well-formed empty one passes and equals the full one. The dense backward has
+    no offsets to rebuild it from: an empty one is refused there."""
+    g, w, idx = torch.randn(rows, 3), torch.randn(5, 3), torch.tensor([1, 2, 3])
+    empty = torch.empty(0, dtype=torch.long)
+
+    def call(d: Callable[[torch.Tensor], torch.Tensor], off: list[int], o2b: torch.Tensor) -> Any:
+        return A._embedding_bag_per_sample_weights_backward(d(g), d(w), d(idx), d(torch.tensor(off, dtype=torch.long)),
+                                                            d(o2b), 0, -1)
+    with pytest.raises(RemoteExecutionError, match="refused on the peer"):
+        call(_e, offsets, empty).cpu()
+    assert torch.equal(call(_e, [0, 1], empty).cpu(), call(lambda t: t, [0, 1], torch.tensor([0, 1, 1])))
+    with pytest.raises(RemoteExecutionError, match="refused on the peer"):
+        A._embedding_bag_dense_backward(_e(g), _e(idx), _e(empty), _e(torch.tensor([1, 2])), _e(torch.tensor([0])),
+                                        5, False, 0, None, -1).cpu()

@@ -211,6 +211,21 @@ def _weight_norm_meta(v: Any, g: Any, dim: int = 0) -> Any:
     return w, norm
 
 
+def _embedding_bag_meta(name: str) -> Any:
+    """``_embedding_bag``'s outputs, its ``offset2bag`` empty in ``sum`` mode without a ``padding_idx``, as the CPU
+    kernel's fast path leaves it (the backward rebuilds it from the offsets). The meta kernel sizes it one per
+    index, and the peer stored zeros there (``aten._LENIENT``): every index in bag 0, wrong gradients."""
+    op = getattr(torch.ops.aten, name.split(".")[1]).default
+
+    def meta(*args: Any) -> Any:
+        out = op(*args)
+        mode, padding_idx = args[4], args[8] if len(args) > 8 else -1
+        if mode == 0 and (padding_idx is None or padding_idx < 0):
+            out = (out[0], torch.empty((0,), dtype=out[1].dtype, device="meta"), *out[2:])
+        return out
+    return meta
+
+
 def _group_norm_backward_meta(grad_out: Any, x: Any, mean: Any, rstd: Any, weight: Any, *rest: Any) -> Any:
     """``native_group_norm_backward``'s gradients typed as the CPU kernel makes them (``empty_like`` the input and
     the weight); the meta kernel follows the statistics' dtype, float32 for a half input under float32 weights."""
@@ -233,7 +248,9 @@ _OWN_META = {"aten.mkldnn_rnn_layer.default": rnn_layer.meta_layer, "aten._group
                  ("aten._native_batch_norm_legit.no_stats", (1, 2)),
                  ("aten._native_batch_norm_legit_no_training.default", (1, 2, 3, 4)))},
              "aten.native_group_norm_backward.default": _group_norm_backward_meta,
-             "aten._weight_norm_interface.default": _weight_norm_meta}
+             "aten._weight_norm_interface.default": _weight_norm_meta,
+             **{n: _embedding_bag_meta(n) for n in ("aten._embedding_bag.default",
+                                                    "aten._embedding_bag_forward_only.default")}}
 """Ops whose meta kernel sizes an output otherwise than the CPU kernel (oneDNN's LSTM workspace), lays it out
 otherwise (a convolution's or ``pixel_shuffle``'s memory format; LAPACK's column-major eigenvectors and ``Vh``; an
 n-d real FFT's strides), types it otherwise (a float16 / bfloat16 norm's

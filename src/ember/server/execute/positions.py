@@ -112,9 +112,7 @@ def _bag_backward(a: Named) -> None:
         _in_range(op, "maximum_indices", a["maximum_indices"], -1, int(a["num_weights"]))
         return
     _in_range(op, "maximum_indices", a["maximum_indices"], -1, max(int(a["num_weights"]), idx.numel() + 1))
-    if o2b is not None and o2b.numel():  # (the composite rebuilds an empty offset2bag from the offsets)
-        _numel(op, "offset2bag", o2b, idx.numel())
-        _in_range(op, "offset2bag", o2b, 0, bags)
+    _offset2bag(op, o2b, a.get("offsets"), idx.numel(), bags)
     if mode == 1:
         bs = a["bag_size"]
         if bs is None or bs.numel() < bags:
@@ -126,8 +124,25 @@ def _bag_psw_backward(a: Named) -> None:
     op, g, idx, o2b = "embedding_bag per-sample-weights backward", a["grad"], a["indices"], a["offset2bag"]
     _in_range(op, "indices", idx, 0, a["weight"].size(0) if a["weight"].dim() else 0)
     _in_range(op, "offsets", a["offsets"], 0, idx.numel() + 1)
-    _numel(op, "offset2bag", o2b, idx.numel(), optional=False)
-    _in_range(op, "offset2bag", o2b, 0, g.size(0) if g.dim() else 0)
+    _offset2bag(op, o2b, a["offsets"], idx.numel(), g.size(0) if g.dim() else 0)
+
+
+def _offset2bag(op: str, o2b: Any, offsets: Any, n: int, bags: int) -> None:
+    """``offset2bag`` (each index's bag) within ``bags``; an empty one, which the CPU kernels rebuild from the
+    offsets (``sum`` mode's fast path leaves it empty: ``make_offset2bag``), rebuilt here as they do and checked
+    (offsets not starting at 0 would make bag -1, more offsets than bags a bag past the gradient's rows)."""
+    if o2b is not None and o2b.numel():
+        _numel(op, "offset2bag", o2b, n)
+        _in_range(op, "offset2bag", o2b, 0, bags)
+        return
+    if not n:
+        return
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or not offsets.numel():
+        _fail(op, "an empty offset2bag is rebuilt from the offsets, and there are none")
+    rebuilt = torch.zeros(n + 1, dtype=torch.int64).index_add_(0, offsets.long(), torch.ones(offsets.numel(),
+                                                                                           dtype=torch.int64))
+    rebuilt[0] -= 1
+    _in_range(op, "offset2bag (rebuilt from the offsets)", rebuilt.cumsum(0)[:n], 0, bags)
 
 
 # ---- segment_reduce ----------------------------------------------------------------------------
