@@ -472,21 +472,24 @@ def _install_backward_thread() -> None:
 
 
 def _install_optimizer_defaults() -> None:
-    """``NAdam``, ``RAdam`` and ``ASGD`` left at ``foreach=None`` take torch's single-tensor path on a CPU peer's
-    parameters, as on CPU. Torch picks the multi-tensor path for any accelerator, ember too, and those three
-    round otherwise in it (the other optimizers' two paths are bit-equal): on a CPU peer that made unchanged
-    code differ from local CPU by ~1e-7 a step."""
-    import torch.optim.asgd as asgd
-    import torch.optim.nadam as nadam
-    import torch.optim.radam as radam
-    for mod in (nadam, radam, asgd):
+    """Optimizers left at ``foreach=None`` take CPU's single-tensor path on a CPU peer's parameters where torch's two
+    paths round otherwise: ``NAdam``, ``RAdam`` and ``ASGD`` always, every optimizer on float16 / bfloat16
+    parameters (SGD with momentum, RMSprop, Adagrad... differ there). Torch picks the multi-tensor path for any
+    accelerator, ember too; elsewhere the two are bit-equal and the multi-tensor one is kept (fewer ops)."""
+    import importlib
+    always = {"nadam", "radam", "asgd"}
+    for name in ("sgd", "adam", "rmsprop", "adagrad", "adamax", "adadelta", "rprop", *sorted(always)):
+        mod = importlib.import_module(f"torch.optim.{name}")
         orig = mod._default_to_fused_or_foreach
         if getattr(orig, "_ember", False):
             continue
 
-        def default(params: Any, differentiable: bool, use_fused: bool = False, _orig: Any = orig) -> Any:
-            refs = [ref_or_none(p) for p in params if p is not None]
-            if refs and all(r is not None and r.device.info.get("spec") == "torch:cpu" for r in refs):
+        def default(params: Any, differentiable: bool, use_fused: bool = False, _orig: Any = orig,
+                    _always: bool = name in always) -> Any:
+            ps = [p for p in params if p is not None]
+            refs = [ref_or_none(p) for p in ps]
+            if refs and all(r is not None and r.device.info.get("spec") == "torch:cpu" for r in refs) and \
+                    (_always or any(p.dtype in (torch.float16, torch.bfloat16) for p in ps)):
                 return False, False
             return _orig(params, differentiable, use_fused)
         default._ember = True  # type: ignore[attr-defined]
