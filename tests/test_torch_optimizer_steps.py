@@ -320,7 +320,8 @@ def test_a_step_that_leaves_its_recording_midway_finishes_eagerly_bit_equal() ->
     assert O.stats["diverged"] >= before["diverged"] + 2 and O.stats["replays"] >= before["replays"] + 4
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.NAdam(ps), lambda ps: torch.optim.NAdam(ps, decoupled_weight_decay=True, weight_decay=0.1),
     lambda ps: torch.optim.RAdam(ps), lambda ps: torch.optim.ASGD(ps), lambda ps: torch.optim.AdamW(ps),
