@@ -261,3 +261,26 @@ def test_deepcopy_of_ember_tensors_and_storages_copies_on_the_peer() -> None:
         z = torch.empty(0, device="ember").set_(st, 0, (3,), (1,))
         assert st.nbytes() == 12 and torch.equal(z.cpu(), torch.zeros(3))
         assert torch.UntypedStorage(5).nbytes() == 5 and torch.UntypedStorage(2, device="cpu").device.type == "cpu"
+
+
+def test_an_eval_mode_transformer_with_a_padding_mask_runs_its_dense_path() -> None:
+    """torch's eval-mode TransformerEncoder turns a padding mask into nested tensors, which Ember does not hold: it
+    asks whether the mask suits them, and on ember the answer is no, so it runs the dense path (bit-equal to CPU's,
+    enable_nested_tensor=False), where it used to fail on the refused nested op. Asked directly, a nested op is
+    refused with that reason."""
+    import warnings
+    warnings.simplefilter("ignore")
+
+    def run(device: str, nested: bool) -> Any:
+        torch.manual_seed(0)
+        enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2,
+                                    enable_nested_tensor=nested).to(device).eval()
+        x = torch.randn(2, 5, 16).to(device)
+        mask = torch.tensor([[False] * 5, [False, False, False, True, True]]).to(device)
+        with torch.no_grad():
+            return enc(x, src_key_padding_mask=mask).cpu()
+    with ember.connect("local:torch"):
+        assert torch.equal(run("ember", True), run("cpu", False))
+        with pytest.raises(NotImplementedError, match="nested tensors"):
+            torch._nested_tensor_from_mask(torch.randn(2, 3, 4).to("ember"), torch.ones(2, 3, dtype=torch.bool)
+                                           .to("ember"), mask_check=False).cpu()

@@ -114,6 +114,9 @@ def refusal(name: str, arg_types: list[tuple[str, str]], return_types: list[str]
     if "sparse" in op:
         return (f"ATen op {name} makes or takes sparse tensors, which Ember peers do not hold "
                 "(ember tensors are strided)")
+    if "_nested" in op:
+        return (f"ATen op {name} makes or takes nested tensors, which Ember peers do not hold (ember tensors are "
+                "strided; nn.TransformerEncoder(enable_nested_tensor=False) keeps its padding mask dense)")
     if DENY.search(op) and name not in DENY_EXCEPT:
         return f"ATen op {name} is refused on Ember peers (files, raw memory or unchecked access)"
     for arg, t in arg_types:

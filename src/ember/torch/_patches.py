@@ -184,6 +184,9 @@ def _install_ops() -> None:
     S[aten._conj.default] = lambda op, x: D.kernel_generic(aten.conj_physical.default, x)
     S[aten._neg_view.default] = lambda op, x: D.kernel_generic(aten.neg.default, x)
     S[aten.addbmm_.default] = _addbmm_
+    # nested tensors are not held: an eval-mode TransformerEncoder with a padding mask asks whether the mask suits
+    # them (its "sparsity fast path"); "no" runs its dense path, the one enable_nested_tensor=False takes
+    S[aten._nested_tensor_from_mask_left_aligned.default] = lambda op, *a, **k: False
 
 
 def _addbmm_(op: Any, self: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, *, beta: Any = 1,
