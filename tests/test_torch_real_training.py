@@ -284,3 +284,36 @@ def test_an_eval_mode_transformer_with_a_padding_mask_runs_its_dense_path() -> N
         with pytest.raises(NotImplementedError, match="nested tensors"):
             torch._nested_tensor_from_mask(torch.randn(2, 3, 4).to("ember"), torch.ones(2, 3, dtype=torch.bool)
                                            .to("ember"), mask_check=False).cpu()
+
+
+def test_checkpointed_dropout_replays_its_mask_from_the_saved_random_state() -> None:
+    """``torch.utils.checkpoint`` saves the device's random state at the forward and restores it for the recompute;
+    ember's state lives on the peer (``torch.ember.get_rng_state``: an ember uint8 tensor, no round trip). Without
+    it a dropout inside drew another mask in the recompute: gradients inconsistent with the forward, silently."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(device: str, reentrant: bool) -> list[Any]:
+        torch.manual_seed(0)
+        lin = nn.Linear(8, 8).to(device)
+        x = torch.randn(16, 8).to(device).requires_grad_()
+        torch.manual_seed(1)
+        y = checkpoint(lambda t: F.dropout(lin(t), 0.5, True).relu(), x, use_reentrant=reentrant)
+        (y * torch.arange(128.0).reshape(16, 8).to(device)).sum().backward()
+        return [y.detach().cpu(), x.grad.cpu(), lin.weight.grad.cpu()]
+    with ember.connect("local:torch"):
+        for reentrant in (True, False):
+            assert all(torch.equal(a, b) for a, b in zip(run("cpu", reentrant), run("ember", reentrant))), reentrant
+        torch.manual_seed(3)
+        state = torch.ember.get_rng_state()
+        assert state.device.type == "ember" and state.dtype == torch.uint8
+        a = torch.rand(5, device="ember").cpu()
+        torch.ember.set_rng_state(state.cpu())  # (a CPU copy of it too)
+        assert torch.equal(torch.rand(5, device="ember").cpu(), a)
+        b = torch.rand(5, device="ember").cpu()
+        torch.ember.set_rng_state(state)
+        torch.rand(5, device="ember")
+        with torch.random.fork_rng(device_type="ember"):
+            torch.rand(7, device="ember")
+        assert torch.equal(torch.rand(5, device="ember").cpu(), b)  # (the draw inside the fork left no trace)
+        with pytest.raises(TypeError):
+            torch.ember.set_rng_state(torch.zeros(3, dtype=torch.uint8))

@@ -14,6 +14,7 @@ unsupported torch fails at import with the versions that work.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from typing import Any
@@ -70,6 +71,28 @@ class EmberModule:
     @staticmethod
     def get_amp_supported_dtype() -> list[torch.dtype]:
         return [torch.float16, torch.bfloat16]
+
+    @property
+    def _initialized(self) -> bool:
+        """``torch.utils.checkpoint`` saves a device's random state only when this is true (``_rng.py``)."""
+        from . import _rng
+        return _rng.available()
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        """The current Ember device's random state: an ember ``uint8`` tensor (``_rng.py``)."""
+        from . import _rng
+        return _rng.get_state()
+
+    @staticmethod
+    def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
+        from . import _rng
+        _rng.set_state(new_state)
+
+    @staticmethod
+    def device(index: Any = None) -> Any:
+        """``with torch.ember.device(0):`` -- ember has one torch device index: a no-op context."""
+        return contextlib.nullcontext()
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc,name-defined]

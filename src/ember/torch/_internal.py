@@ -21,11 +21,12 @@ def agreed(t: torch.Tensor, feature: str) -> bool:
     return feature in codec.agreed_features(ref_of(t).session.welcome_features)
 
 
-def call(name: str, a: list[Any], operands: list[torch.Tensor], outs: list[tuple[Any, torch.dtype]]) -> list[Any]:
-    """Record the internal op ``name`` on ``operands`` (ember tensors of one peer) and make its outputs,
-    contiguous, of the given (shape, dtype)."""
+def call(name: str, a: list[Any], operands: list[torch.Tensor], outs: list[tuple[Any, torch.dtype]],
+         dev: Any = None) -> list[Any]:
+    """Record the internal op ``name`` on ``operands`` (ember tensors of one peer; none: on Ember device ``dev``)
+    and make its outputs, contiguous, of the given (shape, dtype)."""
     refs = [ref_of(t) for t in operands]
-    s = live_session(refs[0])
+    s = live_session(refs[0]) if refs else dev.session
     for r in refs:
         if r.pending is not None:
             materialize(r)
@@ -33,7 +34,7 @@ def call(name: str, a: list[Any], operands: list[torch.Tensor], outs: list[tuple
               math.prod(shape) * dtype.itemsize] for j, (shape, dtype) in enumerate(outs)]
     sids = [next(s.ids) for _ in outs]
     s.record([D._OP, name, [r.sid for r in refs], 0, sids, {"a": a, "l": D.layouts_of(operands), "o": specs}])
-    dev = refs[0].device
+    dev = refs[0].device if refs else dev
     return [new_tensor(dtype, spec[1], spec[2], 0, ref=StorageRef(sid, s, dev))
             for (_, dtype), spec, sid in zip(outs, specs, sids)]
 

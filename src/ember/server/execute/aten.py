@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from ...protocol import aten as A
-from . import device_gaps, positions, rnn_cells, rnn_layer, rnn_recompute, sparse_mm
+from . import device_gaps, internal_calls, positions, rnn_cells, rnn_layer, rnn_recompute, sparse_mm
 from .backends import UnknownOp
 from .eager import GENERIC, plan_for
 from .session_random import SessionRandom
@@ -446,7 +446,9 @@ def internal_ops(device: torch.device, rng: SessionRandom, max_tensor: int) -> d
         return operand(buf, l[0], device).clone(memory_format=torch.contiguous_format)
 
     return {"torch.alloc": alloc, "torch.seed": seed, "torch.storage_of": storage_of, "torch.array_of": array_of,
-            **rnn_recompute.ops(device, operand, as_storage), **sparse_mm.ops(device, operand, as_storage)}
+            **rnn_recompute.ops(device, operand, as_storage), **sparse_mm.ops(device, operand, as_storage),
+            "torch.rng_state": internal_calls.call(rng.state, device, operand, as_storage),
+            "torch.set_rng_state": internal_calls.call(rng.set_state, device, operand, as_storage)}
 
 
 class Refused:

@@ -19,8 +19,9 @@ Tensor = torch.Tensor
 def call(run: Callable[[Any, list[Tensor]], list[Tensor]], device: Any, operand: Callable[[Any, Any, Any], Tensor],
          as_storage: Callable[[Tensor], Tensor]) -> Callable[..., Any]:
     """The table entry of an internal op whose body is ``run(a, typed operands) -> results``."""
-    dtypes = {str(t).removeprefix("torch."): t for t in (torch.float16, torch.bfloat16, torch.float32,
-                                                          torch.float64, torch.complex64, torch.complex128)}
+    dtypes = {str(t).removeprefix("torch."): t for t in (torch.uint8, torch.int64, torch.float16, torch.bfloat16,
+                                                          torch.float32, torch.float64, torch.complex64,
+                                                          torch.complex128)}
 
     def op(*bufs: Any, a: Any, l: Any, o: Any) -> Any:  # noqa: E741
         if type(l) is not list or len(l) != len(bufs) or type(o) is not list:

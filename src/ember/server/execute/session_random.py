@@ -70,4 +70,18 @@ class SessionRandom:
                 d.set_state(saved)
 
 
+    def state(self, a: Any, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``torch.rng_state``: the stream's state, as its generator's ``get_state`` bytes, on the device."""
+        if a != [] or ts:
+            raise ValueError("malformed torch.rng_state call: no arguments, no operands")
+        return [self.generator.get_state().to(self.device)]
+
+    def set_state(self, a: Any, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``torch.set_rng_state``: the stream set to a state ``torch.rng_state`` made (the generator checks it)."""
+        if a != [] or len(ts) != 1 or ts[0].dtype is not torch.uint8 or ts[0].dim() != 1:
+            raise ValueError("malformed torch.set_rng_state call: one flat uint8 state")
+        self.generator.set_state(ts[0].cpu())
+        return []
+
+
 __all__ = ["SessionRandom"]
