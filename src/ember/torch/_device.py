@@ -134,7 +134,10 @@ def _claimed_overloads() -> list[str]:
 
 
 _ALWAYS_CLAIMED = frozenset({"aten::_conj", "aten::_neg_view",  # copies on ember (see _patches)
-                            "aten::clone", "aten::_to_copy"})  # their result stays on the operand's device
+                            "aten::clone", "aten::_to_copy",  # their result stays on the operand's device
+                            # a CPU kernel beside a composite for other devices, which rounds otherwise (Mish's
+                            # gradient in half precision): one op, run by the peer's CPU kernel
+                            "aten::mish_backward", "aten::native_channel_shuffle"})
 _NOT_CLAIMED = frozenset({"aten::_print", "aten::is_same_size", "aten::_assert_tensor_metadata",
                           "aten::_functional_sym_constrain_range"})
 
