@@ -418,3 +418,57 @@ def test_a_float_learning_rate_changed_every_step_says_to_use_a_tensor() -> None
             for _ in range(6):
                 step(x)
                 sched.step()
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.d, self.o = torch.nn.Dropout(0.0), torch.nn.Linear(8, 2)
+
+    def forward(self, x: Any) -> Any:
+        return self.o(self.d(torch.relu(self.b(torch.relu(self.a(x))))))
+
+
+def _changed_between_steps(device: str, captured: bool, change: Callable[[Any], None]) -> list[Any]:
+    torch.manual_seed(0)
+    m = _Net().to(device)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def step(x: Any, y: Any) -> Any:
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    run = ember.torch.capture(step) if captured else step
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for k in range(8):
+        if k == 4:
+            change(m)
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g)
+        torch.manual_seed(100 + k)
+        losses.append(run(x.to(device), y.to(device)).cpu())
+    return losses + [p.detach().cpu() for p in m.parameters()]
+
+
+def _add_hook(m: Any) -> None:
+    m.b.register_forward_hook(lambda mod, args, out: out * 0.5)
+
+
+@pytest.mark.parametrize("change", [lambda m: m.a.requires_grad_(False), lambda m: setattr(m.d, "p", 0.5),
+                                    _add_hook, lambda m: setattr(m.b, "weight", m.a.weight)],
+                         ids=["freeze", "dropout-p", "hook", "re-tie"])
+def test_a_captured_step_records_again_when_a_module_changes(change: Callable[[Any], None]) -> None:
+    """A replay runs the program recorded before: a layer frozen since (``requires_grad_(False)``), a dropout's
+    new ``p``, a new hook or a parameter re-tied would be ignored (the frozen layer kept training). Each module's
+    plain attributes, parameter objects and their ``requires_grad``, buffers and hooks are guarded: the step records
+    again, bit-equal to eager and to local CPU."""
+    with ember.connect("local:torch"):
+        before = dict(ember.torch.capture_stats)
+        want, eager, got = (_changed_between_steps(d, c, change) for d, c in (("cpu", False), ("ember", False),
+                                                                              ("ember", True)))
+        assert ember.torch.capture_stats["replays"] > before["replays"]  # (it did replay before the change)
+    for a, b, c in zip(want, eager, got):
+        assert torch.equal(a, b) and torch.equal(a, c)

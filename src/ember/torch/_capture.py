@@ -22,8 +22,10 @@ What a replay writes (see docs/protocol.md, "Graphs and replays"):
 
 Guards (checked on every call, cheaply; any change records again): the arguments' structure,
 layouts, dtypes and storage sharing, and non-tensor values; grad mode and autocast; every
-outside tensor the graph reads or rewrites still alive; the ``training`` flags of the modules the
-step ran and the hyperparameters of the optimizers it stepped (a new learning rate records again;
+outside tensor the graph reads or rewrites still alive; the state of each module the step ran (its plain
+attributes -- ``training``, a dropout's ``p`` --, which parameters and buffers it holds and whether each
+parameter requires grad, its hooks) and the hyperparameters of the optimizers it stepped (a new learning rate
+records again;
 one given as an ember tensor with ``capturable=True`` is a graph input that a scheduler changes in
 place). The step's Python runs only while recording: side effects on plain Python objects are not
 repeated by a replay (as with CUDA graphs). One thread at a time records a session's step.
@@ -159,14 +161,27 @@ class _Tap:
 
 
 def _guards(mods: list[Any], opts: list[Any]) -> tuple[Any, ...]:
-    """What plain Python state the recorded ops depended on: modules' training flags, optimizers'
-    hyperparameters (a changed learning rate is a different program)."""
-    return (torch.is_grad_enabled(), tuple(mod.training for mod in mods),
+    """What plain Python state the recorded ops depended on: each module's state (:func:`_module_state`),
+    optimizers' hyperparameters (a changed learning rate is a different program)."""
+    return (torch.is_grad_enabled(), tuple(_module_state(mod.__dict__) for mod in mods),
             tuple(tuple((len(g["params"]), tuple((k, v) for k, v in g.items() if k != "params" and type(v) in _PLAIN))
                         for g in o.param_groups) for o in opts))
 
 
+def _module_state(d: dict[str, Any]) -> tuple[Any, ...]:
+    """A module's plain attributes (``training``, a dropout's ``p``, a norm's ``eps``...), which parameter and buffer
+    objects it holds and whether each parameter requires grad (a frozen layer, a re-tied weight), and how many hooks
+    it has: a step replayed after any of them changed would run the old program."""
+    ps, bs = d["_parameters"], d["_buffers"]
+    return (tuple([(k, v) for k, v in d.items() if v.__class__ in _SCALARS]),
+            tuple([(id(p), p.requires_grad) for p in ps.values() if p is not None]) if ps else (),
+            tuple(map(id, bs.values())) if bs else (),
+            len(d["_forward_hooks"]) + len(d["_forward_pre_hooks"]) + len(d["_backward_hooks"])
+            + len(d.get("_backward_pre_hooks", ())))
+
+
 _PLAIN = (int, float, bool, str, type(None), tuple)
+_SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
 class _Recording:
