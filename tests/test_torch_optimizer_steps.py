@@ -346,3 +346,27 @@ def test_optimizers_left_at_their_defaults_step_as_on_cpu(make: Callable[[Any], 
         want, got = run("cpu"), run("ember")
     assert all(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
                for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps, d: torch.optim.Adam(ps, lr=torch.tensor(0.01).to(d), fused=True),
+    lambda ps, d: torch.optim.AdamW(ps, lr=torch.tensor(0.01).to(d), fused=True),
+    lambda ps, d: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    lambda ps, d: torch.optim.SGD(ps, lr=torch.tensor(0.1).to(d), momentum=0.9, fused=True),
+    lambda ps, d: torch.optim.Adagrad(ps, lr=0.1, fused=True)],
+    ids=["adam-tensor-lr", "adamw-tensor-lr", "sgd", "sgd-tensor-lr", "adagrad"])
+def test_fused_steps_torch_has_no_meta_kernel_for_run_as_on_cpu(make: Callable[[Any, str], Any]) -> None:
+    """Fused Adam/AdamW with a tensor learning rate, fused SGD and fused Adagrad have no meta kernel: the client took
+    them for data-dependent ops and the peer failed reading back a result they do not have. They write their operands
+    and return nothing; each trains bit-equal to CPU."""
+    def run(device: str) -> Any:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 2).to(device)
+        opt = make(m.parameters(), device)
+        for _ in range(3):
+            opt.zero_grad()
+            m(torch.ones(3, 4).to(device)).sum().backward()
+            opt.step()
+        return m.weight.detach().cpu()
+    with ember.connect("local:torch"):
+        assert torch.equal(run("cpu"), run("ember"))

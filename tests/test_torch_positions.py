@@ -304,3 +304,43 @@ def test_an_empty_offset2bag_is_rebuilt_from_the_offsets_and_checked(offsets: li
     with pytest.raises(RemoteExecutionError, match="refused on the peer"):
         A._embedding_bag_dense_backward(_e(g), _e(idx), _e(empty), _e(torch.tensor([1, 2])), _e(torch.tensor([0])),
                                         5, False, 0, None, -1).cpu()
+
+
+def _fused_call(kind: str, big: int, small: int) -> Callable[[Callable[[torch.Tensor], torch.Tensor]], Any]:
+    """A fused optimizer step whose parameter has ``big`` elements and one state tensor ``small``."""
+    def call(d: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        gen = torch.Generator().manual_seed(0)
+        p, g, s = ([d(torch.rand(n, generator=gen))] for n in (big, small, big))
+        steps = [d(torch.ones(()))]
+        if kind == "adam":
+            A._fused_adam_.default(p, g, s, s, [], steps, lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0,
+                                   eps=1e-8, amsgrad=False, maximize=False)
+        elif kind == "adamw-lr":
+            A._fused_adamw_.tensor_lr(p, s, g, s, [], steps, lr=d(torch.tensor(0.1)), beta1=0.9, beta2=0.99,
+                                      weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+        elif kind == "sgd":
+            A._fused_sgd_.default(p, s, g, weight_decay=0.0, momentum=0.9, lr=0.1, dampening=0.0,
+                                  nesterov=False, maximize=False, is_first_step=False)
+        else:
+            A._fused_adagrad_.default(p, g, s, steps, lr=0.1, lr_decay=0.0, weight_decay=0.0, eps=1e-8,
+                                      maximize=False)
+        return p[0]
+    return call
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw-lr", "sgd", "adagrad"])
+def test_a_fused_optimizer_step_with_a_state_smaller_than_its_parameter_is_refused(kind: str) -> None:
+    """CPU's fused optimizer kernels read and write each state tensor over its parameter's ``numel`` from its data
+    pointer, checking only the lists' lengths: a gradient of 3 elements for a parameter of 10^6 crashed the process
+    (and would touch other sessions' memory on a peer). The peer checks every tensor's extent first; the session and
+    the peer carry on, and a well-formed step runs bit-equal to CPU."""
+    with pytest.raises(RemoteExecutionError, match="refused on the peer"):
+        _fused_call(kind, 1 << 20, 3)(_e).cpu()  # (the step writes its operands: reading one reports the refusal)
+    assert (torch.arange(3.0, device=E) + 1).tolist() == [1.0, 2.0, 3.0]
+    want = _fused_call(kind, 5, 5)(lambda t: t.clone())
+    assert torch.equal(_fused_call(kind, 5, 5)(_e).cpu(), want)
+
+
+def test_the_fake_quantize_observer_is_refused() -> None:
+    from ember.protocol import aten as PA
+    assert PA.DENY.search("_fused_moving_avg_obs_fq_helper")

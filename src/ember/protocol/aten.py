@@ -83,12 +83,13 @@ indices and values, times a dense one, with feature ``"sparse_mm"``: ``server/ex
 ``rng_state`` / ``set_rng_state`` (the session's random stream saved into a storage and set from one, with
 feature ``"rng_state"``: ``torch.utils.checkpoint`` replays a dropout's mask)."""
 
-DENY = re.compile(r"from_file|unsafe|as_strided|^set_|pin_memory|is_pinned|record_stream|^empty|^new_empty|"
+DENY = re.compile(r"from_file|unsafe|as_strided|^set_|pin_memory|is_pinned|record_stream|^empty|^new_empty|_obs_fq_|"
                   r"^_empty|_nested|sparse|mkldnn|quantiz|^q_|^_cufft|^_copy_from|^_to_cpu|^_print|^_debug|"
                   r"^_assert|^sym_|_efficientzerotensor|^_cudnn_init|^_fill_mem_eff|^lift|^_convert_indices_from")
 """Ops (the name between ``aten.`` and the overload) a peer never runs, whatever their arguments:
 files, memory left uninitialised or mapped, unchecked access, pinned/sparse/quantized/nested
-tensors, and ops only the client performs (copies across devices, metadata)."""
+tensors (``_fused_moving_avg_obs_fq_helper``: a fake-quantize observer), and ops only the client performs (copies
+across devices, metadata)."""
 
 DENY_EXCEPT = frozenset({"aten.mkldnn_rnn_layer.default", "aten.mkldnn_rnn_layer_backward.default"})
 """Overloads :data:`DENY`'s name patterns would refuse that a peer runs: oneDNN's LSTM layer and its backward,

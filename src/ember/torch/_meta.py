@@ -226,6 +226,10 @@ def _embedding_bag_meta(name: str) -> Any:
     return meta
 
 
+def _returns_nothing(*args: Any) -> None:
+    return None
+
+
 def _group_norm_backward_meta(grad_out: Any, x: Any, mean: Any, rstd: Any, weight: Any, *rest: Any) -> Any:
     """``native_group_norm_backward``'s gradients typed as the CPU kernel makes them (``empty_like`` the input and
     the weight); the meta kernel follows the statistics' dtype, float32 for a half input under float32 weights."""
@@ -250,7 +254,13 @@ _OWN_META = {"aten.mkldnn_rnn_layer.default": rnn_layer.meta_layer, "aten._group
              "aten.native_group_norm_backward.default": _group_norm_backward_meta,
              "aten._weight_norm_interface.default": _weight_norm_meta,
              **{n: _embedding_bag_meta(n) for n in ("aten._embedding_bag.default",
-                                                    "aten._embedding_bag_forward_only.default")}}
+                                                    "aten._embedding_bag_forward_only.default")},
+             # fused optimizer steps that torch has no meta kernel for (a tensor learning rate, Adagrad): they
+             # write their operands in place and return nothing
+             **{n: _returns_nothing for n in ("aten._fused_adam_.tensor_lr", "aten._fused_adamw_.tensor_lr",
+                                              "aten._fused_sgd_.default", "aten._fused_sgd_.tensor_lr",
+                                              "aten._fused_adagrad_.default",
+                                              "aten._fused_adagrad_.tensor_lr")}}
 """Ops whose meta kernel sizes an output otherwise than the CPU kernel (oneDNN's LSTM workspace), lays it out
 otherwise (a convolution's or ``pixel_shuffle``'s memory format; LAPACK's column-major eigenvectors and ``Vh``; an
 n-d real FFT's strides), types it otherwise (a float16 / bfloat16 norm's

@@ -321,6 +321,47 @@ def _grouped(a: Named) -> None:
         _fail(op, f"offs must rise from 0 to {n} (a partition of the grouped dimension), got {offs.tolist()[:16]}")
 
 
+def _fused_optimizer(op: str, per_param: tuple[str, ...], optional: tuple[str, ...], steps: bool) -> Check:
+    """CPU's fused optimizer kernels (``_fused_adam_``, ``_fused_adamw_``, ``_fused_sgd_``, ``_fused_adagrad_``) run
+    over each parameter's ``numel`` elements from the data pointer of the parameter and of each of its state
+    tensors, and read one element of each step count, of ``lr`` (a tensor) and of ``grad_scale`` / ``found_inf``.
+    They check the lists' lengths and dtypes, not the sizes: a gradient smaller than its parameter is read and
+    written past its end (a crash, another session's bytes). Each tensor must hold its parameter's ``numel``
+    elements from its offset within its storage; an optional list is empty or one per parameter."""
+    def linear(name: str, t: Any, n: int) -> None:
+        if not isinstance(t, torch.Tensor):
+            _fail(op, f"{name} is required")
+        if t.numel() != n or t.storage_offset() + n > t.untyped_storage().nbytes() // max(t.element_size(), 1):
+            _fail(op, f"{name} has {t.numel()} elements where {n} are read from its offset {t.storage_offset()}")
+
+    def check(a: Named) -> None:
+        params = a["self"]
+        lists = {name: a.get(name) or [] for name in (*per_param, *optional)}
+        for name, ts in lists.items():
+            if len(ts) != len(params) and not (name in optional and not ts):
+                _fail(op, f"{name} has {len(ts)} tensors for {len(params)} parameters")
+        if op == "fused sgd" and a.get("momentum") and not lists["momentum_buffer_list"]:
+            _fail(op, "momentum_buffer_list is required with momentum")
+        if op.startswith("fused adam") and a.get("amsgrad") and not lists["max_exp_avg_sqs"]:
+            _fail(op, "max_exp_avg_sqs is required with amsgrad")
+        for i, p in enumerate(params):
+            n = p.numel() if isinstance(p, torch.Tensor) else 0
+            linear(f"self[{i}]", p, n)
+            for name, ts in lists.items():
+                if ts:
+                    linear(f"{name}[{i}]", ts[i], n)
+        counts = a.get("state_steps") or [] if steps else []
+        if steps and len(counts) != len(params):
+            _fail(op, f"state_steps has {len(counts)} tensors for {len(params)} parameters")
+        for name, t in [("lr", a.get("lr")), ("grad_scale", a.get("grad_scale")), ("found_inf", a.get("found_inf")),
+                        *[(f"state_steps[{i}]", t) for i, t in enumerate(counts)]]:
+            if isinstance(t, torch.Tensor) and t.numel() < 1:
+                _fail(op, f"{name} has no element where one is read")
+    return check
+
+
+_ADAM = ("grads", "exp_avgs", "exp_avg_sqs")
+
 #: Checks that read the operands' layouts (shapes, numels) and literal arguments only, never a value: a
 #: registered graph's step of such an op is checked once when its program is lowered (its layouts are the
 #: same at every replay) and then runs unchecked on the fast path (``step_maker._layouts_pass``).
@@ -355,6 +396,14 @@ CHECKS: dict[str, Check] = {
     "grid_sampler_2d_backward": _grid_backward, "grid_sampler_3d_backward": _grid_backward,
     "multi_margin_loss_backward": _margin_backward, "multilabel_margin_loss_backward": _margin_backward,
     "_grouped_mm": _grouped, "_scaled_grouped_mm": _grouped, "_scaled_grouped_mm_v2": _grouped,
+    "_fused_adam_": _fused_optimizer("fused adam", _ADAM, ("max_exp_avg_sqs",), True),
+    "_fused_adamw_": _fused_optimizer("fused adamw", _ADAM, ("max_exp_avg_sqs",), True),
+    "_fused_adam": _fused_optimizer("fused adam", _ADAM, ("max_exp_avg_sqs",), True),
+    "_fused_adamw": _fused_optimizer("fused adamw", _ADAM, ("max_exp_avg_sqs",), True),
+    "_fused_sgd_": _fused_optimizer("fused sgd", ("grads",), ("momentum_buffer_list",), False),
+    "_fused_sgd": _fused_optimizer("fused sgd", ("grads",), ("momentum_buffer_list",), False),
+    "_fused_adagrad_": _fused_optimizer("fused adagrad", ("grads", "state_sums"), (), True),
+    "_fused_adagrad": _fused_optimizer("fused adagrad", ("grads", "state_sums"), (), True),
 }
 
 
