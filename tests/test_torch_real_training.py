@@ -317,3 +317,19 @@ def test_checkpointed_dropout_replays_its_mask_from_the_saved_random_state() -> 
         assert torch.equal(torch.rand(5, device="ember").cpu(), b)  # (the draw inside the fork left no trace)
         with pytest.raises(TypeError):
             torch.ember.set_rng_state(torch.zeros(3, dtype=torch.uint8))
+
+
+def test_a_tensors_data_ptr_is_its_storages_plus_its_offset_and_safetensors_round_trips(tmp_path: Any) -> None:
+    """safetensors (accelerate's ``save_state``) checks a tensor's ``data_ptr()`` against its storage's: an ember
+    tensor's was its byte offset alone, and every model was refused ("None is covering the entire storage")."""
+    st = pytest.importorskip("safetensors.torch")
+    with ember.connect("local:torch"):
+        e = torch.zeros(4, 4, device="ember")
+        assert e.data_ptr() == e.untyped_storage().data_ptr() and e[1].data_ptr() == e.data_ptr() + 16
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).to("ember")
+        st.save_model(m, str(tmp_path / "m.safetensors"))
+        m2 = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).to("ember")
+        st.load_model(m2, str(tmp_path / "m.safetensors"))
+        for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
+            assert torch.equal(a.cpu(), b.cpu())

@@ -248,6 +248,16 @@ def _install_storage_ids() -> None:
         return original(self) if r is None else _STORAGE_ID | (id(r) & ((1 << 48) - 1))
     data_ptr._ember = True  # type: ignore[attr-defined]
     torch.UntypedStorage.data_ptr = data_ptr  # type: ignore[method-assign]
+    tensor_ptr = torch.Tensor.data_ptr
+
+    def tensor_data_ptr(self: Any) -> int:
+        """An ember tensor's ``data_ptr()``: its storage's identity plus its offset in bytes, as a CPU tensor's is
+        its storage's address plus it (safetensors, and accelerate's ``save_state``, check one against the
+        other; it was the offset alone)."""
+        if self.device.type != "ember":
+            return tensor_ptr(self)
+        return self.untyped_storage().data_ptr() + self.storage_offset() * self.element_size()
+    torch.Tensor.data_ptr = tensor_data_ptr  # type: ignore[method-assign]
 
 
 def _install_storage_copies() -> None:
