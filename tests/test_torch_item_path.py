@@ -171,12 +171,17 @@ def test_a_users_autocast_or_inference_mode_around_the_read_never_reaches_the_pe
             before = s.stats["exchanges"]
             assert (m @ m).sum().item() == want  # the peer's mm ran as float32: on its worker, not this thread
             assert s.stats["exchanges"] == before
-        with torch.inference_mode():  # the caller's thread runs them, with inference mode off
-            before = s.stats["exchanges"]
-            for _ in range(5):  # (the idle tick may send an op ahead now and then: that read takes the worker)
-                r = m @ m
-                assert r.sum().item() == want
-            assert s.stats["exchanges"] > before
+        tick = s.idle_flush
+        s.idle_flush = 1.0  # (a loaded machine's slow recording would let the 2 ms idle tick send ops ahead)
+        try:
+            with torch.inference_mode():  # the caller's thread runs them, with inference mode off
+                before = s.stats["exchanges"]
+                for _ in range(5):  # (an op the tick sent ahead makes that read take the worker)
+                    r = m @ m
+                    assert r.sum().item() == want
+                assert s.stats["exchanges"] > before
+        finally:
+            s.idle_flush = tick
         assert (r * 2).sum().item() == 2 * want  # made under inference mode, used after it
 
 

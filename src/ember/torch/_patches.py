@@ -256,7 +256,10 @@ def _install_storage_ids() -> None:
         other; it was the offset alone)."""
         if self.device.type != "ember":
             return tensor_ptr(self)
-        return self.untyped_storage().data_ptr() + self.storage_offset() * self.element_size()
+        st = self.untyped_storage()
+        if getattr(st, "_ember", None) is None:  # (a FakeTensor on ember, under torch.compile: torch's own answer)
+            return tensor_ptr(self)
+        return st.data_ptr() + self.storage_offset() * self.element_size()
     torch.Tensor.data_ptr = tensor_data_ptr  # type: ignore[method-assign]
 
 
