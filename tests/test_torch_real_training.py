@@ -333,3 +333,20 @@ def test_a_tensors_data_ptr_is_its_storages_plus_its_offset_and_safetensors_roun
         st.load_model(m2, str(tmp_path / "m.safetensors"))
         for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
             assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_torch_save_keeps_views_of_one_ember_storage_as_one_storage(tmp_path: Any) -> None:
+    """Within one ``torch.save`` each ember storage is read once and saved once, its tensors as views of it, as torch
+    saves CPU storages: a row saved beside its matrix loads as a view of it, the file as large as CPU's."""
+    import io
+    files = {}
+    for device in ("cpu", "ember"):
+        with ember.connect("local:torch"):
+            w = torch.arange(9.0).view(3, 3).to(device)
+            buf = io.BytesIO()
+            torch.save({"w": w, "row": w[1], "t": w.t()}, buf)
+        files[device] = buf.getvalue()
+        d = torch.load(io.BytesIO(files[device]), weights_only=True)
+        d["w"][1, 0] = 100.0
+        assert d["row"].tolist() == [100.0, 4.0, 5.0] and d["t"][0, 1].item() == 100.0 and d["t"].stride() == (1, 3)
+    assert len(files["ember"]) == len(files["cpu"])

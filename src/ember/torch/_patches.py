@@ -215,19 +215,46 @@ def _install_print() -> None:
     ts._tensor_str = _tensor_str
 
 
+_saving = threading.local()  # .storages: ember storage identity -> (its CPU copy, the storage), for one torch.save
+
+
 def _install_save() -> None:
-    original = torch.Tensor._reduce_ex_internal
+    """An ember tensor pickles as a CPU tensor: a checkpoint loads anywhere, ``weights_only=True`` too. Within one
+    ``torch.save`` each ember storage is read once, whole, and every tensor on it saved as a view of that one CPU
+    storage, as torch saves CPU and CUDA storages: a view saved beside its base stays its view when loaded, and the
+    file holds the bytes once. (Pickled outside ``torch.save``, a tensor is its own copy.)"""
+    original, original_save = torch.Tensor._reduce_ex_internal, torch.serialization.save
     if getattr(original, "_ember", False):
         return
 
     def _reduce_ex_internal(self: torch.Tensor, proto: int) -> Any:
-        if self.device.type == "ember":  # saved as CPU tensors: loads anywhere, weights_only=True too
+        if self.device.type != "ember":
+            return original(self, proto)
+        storages = getattr(_saving, "storages", None)
+        st = self.untyped_storage()
+        if storages is None or getattr(st, "_ember", None) is None:
             host = T.read(self.detach())
-            return host.requires_grad_(self.requires_grad)._reduce_ex_internal(proto)
-        return original(self, proto)
+        else:
+            copy = storages.get(st.data_ptr())
+            if copy is None:
+                whole = D.new_tensor(torch.uint8, [st.nbytes()], [1], 0, storage=st)
+                copy = storages[st.data_ptr()] = (T.read(whole).untyped_storage(), st)
+            host = torch.empty(0, dtype=self.dtype).set_(copy[0], self.storage_offset(), self.shape, self.stride())
+        return host.requires_grad_(self.requires_grad)._reduce_ex_internal(proto)
+
+    @functools.wraps(original_save)
+    def save(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_saving, "storages", None) is not None:
+            return original_save(*args, **kwargs)
+        _saving.storages = {}
+        try:
+            return original_save(*args, **kwargs)
+        finally:
+            _saving.storages = None
 
     _reduce_ex_internal._ember = True  # type: ignore[attr-defined]
     torch.Tensor._reduce_ex_internal = _reduce_ex_internal  # type: ignore[method-assign]
+    torch.serialization.save = torch.save = save  # type: ignore[assignment]
 
 
 #: the high bits of an ember storage's ``data_ptr``: an identity, never an address of this process
