@@ -98,18 +98,21 @@ def test_a_captured_word_language_model_step_is_bit_equal_to_local_cpu_over_100_
 
 
 @pytest.mark.parametrize("kw", [{}, {"bias": False}, {"batch_first": True}, {"bidirectional": True},
-                                {"num_layers": 3, "bidirectional": True, "batch_first": True}],
-                         ids=["plain", "no-bias", "batch-first", "bidirectional", "3-layers-bidirectional"])
+                                {"num_layers": 3, "bidirectional": True, "batch_first": True}, {"dtype": "bfloat16"}],
+                         ids=["plain", "no-bias", "batch-first", "bidirectional", "3-layers-bidirectional", "bfloat16"])
 def test_lstm_forward_backward_and_no_grad_equal_local_cpu(kw: dict[str, Any]) -> None:
+    """(bfloat16: CPU torch takes oneDNN's layer where this CPU has oneDNN's bfloat16, and so does ember.)"""
+    kw = dict(kw)
+    dtype = getattr(torch, kw.pop("dtype", "float32"))
     torch.manual_seed(0)
-    m = nn.LSTM(6, 5, **{"num_layers": 2, **kw})
+    m = nn.LSTM(6, 5, **{"num_layers": 2, **kw}).to(dtype)
     dirs, layers = 2 if kw.get("bidirectional") else 1, m.num_layers
-    x = torch.randn(3, 7, 6)
-    state = (torch.randn(layers * dirs, 3, 5), torch.randn(layers * dirs, 3, 5))
+    x = torch.randn(3, 7, 6).to(dtype)
+    state = (torch.randn(layers * dirs, 3, 5).to(dtype), torch.randn(layers * dirs, 3, 5).to(dtype))
     x = x if kw.get("batch_first") else x.transpose(0, 1).contiguous()
     results = []
     with ember.connect("local:torch"):
-        for mod, dev in ((m, "cpu"), (nn.LSTM(6, 5, **{"num_layers": 2, **kw}), "ember")):
+        for mod, dev in ((m, "cpu"), (nn.LSTM(6, 5, **{"num_layers": 2, **kw}).to(dtype), "ember")):
             if dev == "ember":
                 mod.load_state_dict(m.state_dict())
                 mod = mod.to(dev)
@@ -272,4 +275,5 @@ def test_replayed_lstm_layers_keep_their_checks_and_grad_mode() -> None:
     with torch.no_grad():
         args[15] = True
         ws = fwd.run(args, {})[3]  # train True: the training kernel, whose workspace's size the peer learns
-    assert ws.numel() == rnn_layer.workspace_bytes(4, 2, 4, 5, True) == rnn_layer._learnt[(4, 2, 4, 5, True)]
+    learnt = rnn_layer._learnt[(4, 2, 4, 5, True, torch.float32)]
+    assert ws.numel() == rnn_layer.workspace_bytes(4, 2, 4, 5, True) == learnt

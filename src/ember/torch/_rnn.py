@@ -26,6 +26,7 @@ with grad on, and reads nothing else from that argument): the peer runs the laye
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -53,14 +54,25 @@ def _cpu_peer(t: Tensor) -> bool:
 
 
 def takes_onednn(input: Tensor, hx: list[Tensor], params: list[Tensor], n_params: int) -> bool:  # noqa: A002
-    """CPU torch's test (``use_mkldnn``, float32, no projections) for a peer that is a CPU; not under autocast,
-    where ember follows CUDA's policy (the cells in the low-precision type: ``_autocast.py``). Calls torch
-    would refuse (``n_params`` parameters expected) go to its composite, which says why."""
+    """CPU torch's test (``use_mkldnn``: float32, or bfloat16 where oneDNN has it; no projections) for a peer that is
+    a CPU; not under autocast, where ember follows CUDA's policy (the cells in the low-precision type:
+    ``_autocast.py``). Calls torch would refuse (``n_params`` parameters expected) go to its composite, which says
+    why."""
     return (torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled() and len(hx) == 2
             and not torch.is_autocast_enabled(input.device.type) and len(params) == n_params
-            and input.dtype is torch.float32 and input.numel() != 0 and input.dim() == 3
-            and all(t.dtype is torch.float32 for t in (*hx, *params))
+            and _onednn_dtype(input.dtype) and input.numel() != 0 and input.dim() == 3
+            and all(t.dtype is input.dtype for t in (*hx, *params))
             and hx[0].dim() == 3 and hx[1].dim() == 3 and hx[0].shape[2] == hx[1].shape[2] and _cpu_peer(input))
+
+
+def _onednn_dtype(dtype: torch.dtype) -> bool:
+    """CPU torch's dtype test for oneDNN's LSTM: float32, or bfloat16 where this CPU has oneDNN's bfloat16."""
+    return dtype is torch.float32 or dtype is torch.bfloat16 and _bf16_supported()
+
+
+@functools.lru_cache(maxsize=1)
+def _bf16_supported() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def lstm(input: Tensor, hx: list[Tensor], params: list[Tensor], has_biases: bool, num_layers: int,  # noqa: A002

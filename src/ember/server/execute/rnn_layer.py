@@ -1,7 +1,8 @@
 """oneDNN's LSTM layer on a CPU peer: ``mkldnn_rnn_layer`` and its backward.
 
-CPU torch runs ``nn.LSTM`` (float32) as one ``mkldnn_rnn_layer`` call per layer and direction, whose
-autograd backward is one ``mkldnn_rnn_layer_backward`` call; an ``ember`` tensor would otherwise take the
+CPU torch runs ``nn.LSTM`` (float32; bfloat16 where the CPU has oneDNN's bfloat16) as one ``mkldnn_rnn_layer``
+call per layer and direction, whose autograd backward is one ``mkldnn_rnn_layer_backward`` call (its gradients in
+float32 either way); an ``ember`` tensor would otherwise take the
 per-time-step cells (~10 ATen ops per step and layer). The client sends these two kernels (``ember.torch``'s
 ``_rnn``), so a CPU peer computes exactly what local CPU torch does, in two ops per layer.
 
@@ -63,8 +64,12 @@ def _like(op: str, name: str, t: Any, shape: tuple[int, ...], dtype: torch.dtype
         _fail(op, f"{name} is {tuple(t.shape)} {t.dtype} where {shape} {dtype} is read")
 
 
+#: The dtypes oneDNN's LSTM layer takes on a CPU (bfloat16 where the CPU has it: CPU torch's own ``use_mkldnn`` test).
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _sizes(op: str, a: Named) -> tuple[int, int, int, int]:
-    """``(T, N, I, H)`` after checking the literal arguments and the input and weights."""
+    """``(T, N, I, H)`` after checking the literal arguments and the input and weights (all of the input's dtype)."""
     if a["mode"] != LSTM:
         _fail(op, f"mode {a['mode']} is not an LSTM ({LSTM})")
     if list(a["batch_sizes"]):
@@ -73,38 +78,43 @@ def _sizes(op: str, a: Named) -> tuple[int, int, int, int]:
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.numel() == 0 or h < 1:
         _fail(op, "input must be a non-empty (T, N, I) tensor and hidden_size positive")
     t, n, i = (int(s) for s in x.shape)
-    _dense(op, "input", x, (t, n, i))
+    dt = x.dtype
+    if dt not in DTYPES:
+        _fail(op, f"input is {dt}, not one of {[str(d) for d in DTYPES]}")
+    _dense(op, "input", x, (t, n, i), dt)
     w = [a.get(f"weight{k}") for k in range(4)] if "weight0" in a else [a.get(f"weight{k}") for k in range(1, 5)]
-    _like(op, "weight_ih", w[0], (4 * h, i))
-    _like(op, "weight_hh", w[1], (4 * h, h))
+    _like(op, "weight_ih", w[0], (4 * h, i), dt)
+    _like(op, "weight_hh", w[1], (4 * h, h), dt)
     if a["has_biases"]:
-        _like(op, "bias_ih", w[2], (4 * h,))
-        _like(op, "bias_hh", w[3], (4 * h,))
+        _like(op, "bias_ih", w[2], (4 * h,), dt)
+        _like(op, "bias_hh", w[3], (4 * h,), dt)
     return t, n, i, h
 
 
 def check_layer(a: Named) -> None:
     op = "LSTM layer"
     t, n, i, h = _sizes(op, a)
-    _dense(op, "hx", a["hx_"], (n, h))
-    _dense(op, "cx", a["cx_"], (n, h))
+    dt = a["input"].dtype
+    _dense(op, "hx", a["hx_"], (n, h), dt)
+    _dense(op, "cx", a["cx_"], (n, h), dt)
 
 
 def check_layer_backward(a: Named) -> None:
     op = "LSTM layer backward"
     t, n, i, h = _sizes(op, a)
+    dt = a["input"].dtype
     for name, key, shape in (("hx", "hx_", (n, h)), ("cx", "cx_tmp", (n, h)), ("output", "output", (t, n, h)),
                              ("hy", "hy_", (n, h)), ("cy", "cy_", (n, h))):
-        _dense(op, name, a[key], shape)
+        _dense(op, name, a[key], shape, dt)
     for name, shape in (("grad_output", (t, n, h)), ("grad_hy", (n, h)), ("grad_cy", (n, h))):
         if a[name] is not None:
-            _like(op, name, a[name], shape)
+            _like(op, name, a[name], shape, dt)
     ws = a["workspace"]
     held = ws.numel() if isinstance(ws, torch.Tensor) and ws.dtype is torch.uint8 else 0
-    _dense(op, "workspace", ws, (expected_workspace(op, (t, n, i, h, bool(a["reverse"])), held),), torch.uint8)
+    _dense(op, "workspace", ws, (expected_workspace(op, (t, n, i, h, bool(a["reverse"]), dt), held),), torch.uint8)
 
 
-Sizes = tuple[int, int, int, int, bool]  # (T, N, I, H, reverse)
+Sizes = tuple[int, int, int, int, bool, torch.dtype]  # (T, N, I, H, reverse, dtype)
 _learnt: OrderedDict[Sizes, int] = OrderedDict()
 _learnt_lock = threading.Lock()
 MAX_LEARNT = 4096
@@ -126,18 +136,19 @@ def expected_workspace(op: str, sizes: Sizes, held: int) -> int:
         known = _learnt.get(sizes)
     if known is not None:
         return known
-    t, n, _i, h, _r = sizes
-    if held < t * n * 4 * h * 4:
-        _fail(op, f"workspace holds {held} bytes, fewer than the {t * n * 4 * h * 4} of its gates alone")
+    t, n, _i, h, _r, dt = sizes
+    gates = t * n * 4 * h * dt.itemsize
+    if held < gates:
+        _fail(op, f"workspace holds {held} bytes, fewer than the {gates} of its gates alone")
     nbytes = workspace_bytes(*sizes)
     learn(sizes, nbytes)
     return nbytes
 
 
 @functools.lru_cache(maxsize=64)
-def workspace_bytes(t: int, n: int, i: int, h: int, reverse: bool) -> int:
+def workspace_bytes(t: int, n: int, i: int, h: int, reverse: bool, dtype: torch.dtype = torch.float32) -> int:
     """The bytes of the workspace oneDNN's LSTM training forward saves for these sizes (run once on zeros)."""
-    z = functools.partial(torch.zeros, dtype=torch.float32, device="cpu")
+    z = functools.partial(torch.zeros, dtype=dtype, device="cpu")
     with torch.enable_grad():
         r = torch.ops.aten.mkldnn_rnn_layer.default(z(t, n, i), z(4 * h, i), z(4 * h, h), z(4 * h), z(4 * h),
                                                     z(n, h), z(n, h), reverse, [], LSTM, h, 1, True, False,
@@ -158,7 +169,7 @@ def meta_layer(input: Any, weight0: Any, weight1: Any, weight2: Any, weight3: An
     except LayerMismatch as e:  # torch's way for a bad call of an op: a RuntimeError, raised at the call
         raise RuntimeError(f"{e.detail}: oneDNN would read or write outside its operands") from None
     t, n, i = (int(s) for s in input.shape)
-    ws = input.new_empty((workspace_bytes(t, n, i, hidden_size, bool(reverse)),), dtype=torch.uint8) \
+    ws = input.new_empty((workspace_bytes(t, n, i, hidden_size, bool(reverse), input.dtype),), dtype=torch.uint8) \
         if train else None
     return input.new_empty((t, n, hidden_size)), hx_.new_empty(hx_.shape), cx_.new_empty(cx_.shape), ws
 
@@ -184,7 +195,7 @@ def runner(op: Any) -> Callable[[list[Any], dict[str, Any]], Any] | None:
             res = op(*args, **kwargs)
         if res[3] is not None:
             t, n, i = (int(s) for s in args[0].shape)
-            learn((t, n, i, int(args[hidden]), bool(args[reverse])), int(res[3].numel()))
+            learn((t, n, i, int(args[hidden]), bool(args[reverse]), args[0].dtype), int(res[3].numel()))
         return res
     return run
 
