@@ -80,6 +80,9 @@ CASES: dict[str, Callable[[str], Any]] = {
     "spmm_coalesced": lambda d: torch.spmm(_matrix().coalesce().to(d), _rhs().to(d)),
     "t": lambda d: _matrix().to(d).t(),
     "t_mm": lambda d: torch.mm(_matrix().to(d).t(), _rhs(4).to(d)),
+    "sparse.mm": lambda d: torch.sparse.mm(_matrix().to(d), _rhs().to(d)),
+    "addmm": lambda d: torch.addmm(_rhs(4).to(d), _matrix().to(d), _rhs().to(d), beta=0.5, alpha=2.0),
+    "sparse.addmm": lambda d: torch.sparse.addmm(_rhs(4).to(d), _matrix().to(d), _rhs().to(d)),
 }
 
 

@@ -177,25 +177,42 @@ def t(s: torch.Tensor) -> torch.Tensor:
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """A sparse matrix times a dense one, by CPU torch's own kernel on the peer (``server/execute/sparse_mm.py``:
     graph networks' ``torch.spmm(adj, x)`` and its backward, bit-equal to local CPU)."""
+    return _sparse_dense("mm", a, b)
+
+
+def addmm(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
+    """``beta * t + alpha * (sparse @ dense)`` (``torch.addmm``, ``torch.sparse.mm`` / ``addmm``), by CPU's kernel."""
+    if not isinstance(t, torch.Tensor) or t.is_sparse or t.shape != (a.shape[0], b.shape[1] if b.dim() == 2 else -1):
+        raise NotImplementedError("aten.addmm on ember: a dense [rows, columns] self plus a sparse matrix times a "
+                                  "dense one is held; use .to_dense() for the rest")
+    return _sparse_dense("addmm", a, b, (t, beta, alpha))
+
+
+def _sparse_dense(op: str, a: torch.Tensor, b: torch.Tensor, add: Any = None) -> torch.Tensor:
     from ..protocol import messages as m
     from ._internal import agreed, call
     if not a.is_sparse or b.is_sparse or a.dim() != 2 or a.sparse_dim() != 2 or b.dim() != 2 \
             or not agreed(b, m.SPARSE_MM_FEATURE):
-        raise NotImplementedError("aten.mm on ember: a 2-d sparse COO matrix times a dense matrix is held, on a peer "
-                                  "that runs torch.sparse_mm; use .to_dense() for the rest")
+        raise NotImplementedError(f"aten.{op} on ember: a 2-d sparse COO matrix times a dense matrix is held, on a "
+                                  "peer that runs torch.sparse_mm; use .to_dense() for the rest")
     if a.shape[1] != b.shape[0]:
         raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({a.shape[0]}x{a.shape[1]} and "
                            f"{b.shape[0]}x{b.shape[1]})")
-    if a.dtype != b.dtype:
-        raise RuntimeError(f"mm: expected mat1 and mat2 to have the same dtype, but got: {a.dtype} != {b.dtype}")
-    return call("torch.sparse_mm", [a.shape[0], a.shape[1], a.is_coalesced()], [a._indices(), a._values(), b],
-                [((a.shape[0], b.shape[1]), b.dtype)])[0]
+    if a.dtype != b.dtype or add is not None and add[0].dtype != b.dtype:
+        raise RuntimeError(f"{op}: expected the matrices to have one dtype, but got: {a.dtype} and {b.dtype}")
+    args = [a.shape[0], a.shape[1], a.is_coalesced()]
+    operands = [a._indices(), a._values(), b]
+    if add is not None:
+        args += [add[1] if type(add[1]) in (int, float) else float(add[1]), add[2] if type(add[2]) in (int, float)
+                 else float(add[2])]
+        operands.append(add[0])
+    return call("torch.sparse_mm", args, operands, [((a.shape[0], b.shape[1]), b.dtype)])[0]
 
 
 #: ATen name -> kernel for sparse ember operands (SparsePrivateUse1).
 SPARSE_KERNELS = {"_to_dense": to_dense, "_coalesce": coalesce, "clone": clone, "neg": neg,
                   "add.Tensor": add, "sub.Tensor": sub, "mul.Tensor": mul, "sum": sum_all,
-                  "sparse_mask": sparse_mask, "t": t, "mm": mm}
+                  "sparse_mask": sparse_mask, "t": t, "mm": mm, "addmm": addmm, "_sparse_addmm": addmm}
 #: ATen name -> kernel for a dense ember operand making a sparse tensor (PrivateUse1).
 DENSE_KERNELS = {"_to_sparse": to_sparse_layout, "_to_sparse.sparse_dim": to_sparse_dim}
 

@@ -10,7 +10,8 @@ every index within the sizes, and a matrix the client calls coalesced really sor
 that kernel: bit-equal to local CPU.
 
 Message (:mod:`.internal_calls`): operands ``indices`` (int64, ``[2, nnz]``), ``values`` (``[nnz]``),
-``dense`` (``[m, k]``); ``a`` = ``[n, m, coalesced]``; one output, ``[n, k]`` of the values' dtype.
+``dense`` (``[m, k]``); ``a`` = ``[n, m, coalesced]``; one output, ``[n, k]`` of the values' dtype. With ``a`` =
+``[n, m, coalesced, beta, alpha]`` and a fourth operand ``t``: ``addmm(t, sparse, dense, beta, alpha)``.
 """
 
 from __future__ import annotations
@@ -27,16 +28,18 @@ MAX_SIDE = 1 << 31
 
 
 def sparse_mm(a: Any, ts: list[Tensor]) -> list[Tensor]:
-    """``[sparse(indices, values, (n, m)) @ dense]``."""
-    if type(a) is not list or len(a) != 3 or any(type(x) is not int or not 0 <= x < MAX_SIDE for x in a[:2]) \
-            or type(a[2]) is not bool or len(ts) != 3:
-        raise ValueError(f"malformed torch.sparse_mm call: a = [rows, columns, coalesced], three operands; got "
-                         f"{str(a)[:60]}")
-    indices, values, dense = ts
+    """``[sparse(indices, values, (n, m)) @ dense]``, or with ``a`` = ``[n, m, coalesced, beta, alpha]`` and a fourth
+    operand ``t``: ``[addmm(t, sparse, dense, beta=beta, alpha=alpha)]`` (``torch.sparse.mm``, ``torch.addmm``)."""
+    if type(a) is not list or len(a) not in (3, 5) or len(ts) != len(a) - (0 if len(a) == 3 else 1) \
+            or any(type(x) is not int or not 0 <= x < MAX_SIDE for x in a[:2]) or type(a[2]) is not bool \
+            or any(type(x) not in (int, float) for x in a[3:]):
+        raise ValueError(f"malformed torch.sparse_mm call: a = [rows, columns, coalesced] and three operands, or "
+                         f"[rows, columns, coalesced, beta, alpha] and four; got {str(a)[:60]}")
+    indices, values, dense = ts[:3]
     if indices.dtype is not torch.int64 or indices.dim() != 2 or indices.shape[0] != 2 or values.dim() != 1:
         raise ValueError("torch.sparse_mm: int64 indices of shape [2, nnz] and values of shape [nnz]")
     s = torch.sparse_coo_tensor(indices, values, (a[0], a[1]), is_coalesced=a[2], check_invariants=True)
-    return [torch.mm(s, dense)]
+    return [torch.mm(s, dense) if len(a) == 3 else torch.addmm(ts[3], s, dense, beta=a[3], alpha=a[4])]
 
 
 def ops(device: Any, operand: Callable[[Any, Any, Any], Tensor],
