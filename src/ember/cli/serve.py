@@ -57,6 +57,10 @@ def add_serve_options(s: argparse.ArgumentParser) -> None:
     lim.add_argument("--idle-timeout", type=float, default=d.idle_timeout, metavar="SECONDS",
                      help="end sessions whose client sent nothing for this long while their work was done "
                           f"(a vanished host or link; clients ping well within it; default {d.idle_timeout:g}; 0: never)")
+    s.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="intra-op threads of each torch kernel (default: torch's, all cores). Results are bit-equal to "
+                        "a client's local CPU torch when N is its torch.get_num_threads(): reductions and GEMMs split "
+                        "work by it")
     s.add_argument("--compile", action="store_true",
                    help="compile the graphs sessions replay with inductor on torch devices, for clients that ask "
                         "(connect(..., compile=True)): vetted ATen ops only, compiled in the background, cached")
@@ -191,6 +195,17 @@ def describe_devices(server: Server) -> str:
 
 
 def serve(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            print("ember serve: error: --threads must be at least 1", file=sys.stderr)
+            return 2
+        try:
+            from ..server.execute import aten as peer_aten  # (torch is imported only by torch devices' peers)
+        except ImportError:
+            print("ember serve: error: --threads sets torch's thread count, and torch is not installed",
+                  file=sys.stderr)
+            return 2
+        peer_aten.THREADS[0] = args.threads  # every kernel-running thread follows it (aten._follow_threads)
     server = build_server(args)
     if args.keep_freed:  # this process is the peer's alone: buffers reused, not faulted in afresh each step
         keep_freed_pages(trim_threshold=args.keep_freed)
