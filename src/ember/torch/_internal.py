@@ -16,6 +16,12 @@ from ._devices import materialize
 from ._storage import StorageRef, dtype_name, live_session, new_tensor, ref_of
 
 
+def cpu_peer(info: dict[str, Any]) -> bool:
+    """Is the device of ``info`` (``Device.info``) a torch CPU peer running this torch? (A kernel's workspace size,
+    a generator's state size: this process's CPU torch's are the peer's.)"""
+    return info.get("spec") == "torch:cpu" and str(info.get("name", "")).split()[1:2] == [torch.__version__]
+
+
 def agreed(t: torch.Tensor, feature: str) -> bool:
     """Does the peer of ember tensor ``t`` speak wire feature ``feature`` (its internal ops)?"""
     return feature in codec.agreed_features(ref_of(t).session.welcome_features)
@@ -39,4 +45,4 @@ def call(name: str, a: list[Any], operands: list[torch.Tensor], outs: list[tuple
             for (_, dtype), spec, sid in zip(outs, specs, sids)]
 
 
-__all__ = ["agreed", "call"]
+__all__ = ["agreed", "call", "cpu_peer"]

@@ -169,8 +169,7 @@ def _as_on_cpu(name: str) -> Any:
             return FakeTensor(mode, t, cpu) if isinstance(t, torch.Tensor) and t.device.type == "meta" else t
 
         def back(t: Any) -> Any:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") \
-                if isinstance(t, torch.Tensor) else t
+            return _retyped(t, t.dtype) if isinstance(t, torch.Tensor) else t
         vals = [[fake(x) for x in a] if isinstance(a, list) else fake(a) for a in args]
         names = [(a.name, a.kwarg_only) for a in op._schema.arguments]
         with mode:  # (the values come in schema order: keyword-only ones by name)
@@ -178,6 +177,11 @@ def _as_on_cpu(name: str) -> Any:
                      **{n: v for v, (n, kw) in zip(vals, names) if kw})
         return back(out) if not isinstance(out, tuple) else tuple(back(t) for t in out)
     return meta
+
+
+def _retyped(t: Any, dtype: Any) -> Any:
+    """A meta tensor of ``t``'s layout in ``dtype``."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
 
 
 def _stats_as_on_cpu(name: str, params: tuple[int, ...]) -> Any:
@@ -196,8 +200,7 @@ def _stats_as_on_cpu(name: str, params: tuple[int, ...]) -> Any:
         if x.dtype in (torch.float16, torch.bfloat16):
             given = next((args[k].dtype for k in params if k < len(args) and isinstance(args[k], torch.Tensor)), None)
             dtype = x.dtype if given in (None, x.dtype) else torch.float32
-            out = (out[0], *[torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta") for t in out[1:3]],
-                   *out[3:])
+            out = (out[0], *[_retyped(t, dtype) for t in out[1:3]], *out[3:])
         return out
     return meta
 
@@ -207,7 +210,7 @@ def _weight_norm_meta(v: Any, g: Any, dim: int = 0) -> Any:
     it (the meta kernel keeps float16 in float16)."""
     w, norm = torch.ops.aten._weight_norm_interface.default(v, g, dim)
     if v.dtype in (torch.float16, torch.bfloat16) and norm.dtype is not torch.float32:
-        norm = torch.empty_strided(norm.shape, norm.stride(), dtype=torch.float32, device="meta")
+        norm = _retyped(norm, torch.float32)
     return w, norm
 
 
@@ -235,8 +238,7 @@ def _group_norm_backward_meta(grad_out: Any, x: Any, mean: Any, rstd: Any, weigh
     the weight); the meta kernel follows the statistics' dtype, float32 for a half input under float32 weights."""
     out = torch.ops.aten.native_group_norm_backward.default(grad_out, x, mean, rstd, weight, *rest)
     like = (x, weight, weight)
-    return tuple(t if t is None or w is None or t.dtype is w.dtype else
-                 torch.empty_strided(t.shape, t.stride(), dtype=w.dtype, device="meta") for t, w in zip(out, like))
+    return tuple(t if t is None or w is None or t.dtype is w.dtype else _retyped(t, w.dtype) for t, w in zip(out, like))
 
 
 _OWN_META = {"aten.mkldnn_rnn_layer.default": rnn_layer.meta_layer, "aten._grouped_mm.default": _grouped_mm_meta,

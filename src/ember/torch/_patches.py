@@ -301,7 +301,7 @@ def _install_storage_copies() -> None:
 
     def new(cls: Any, *args: Any, device: Any = None, **kwargs: Any) -> Any:
         if device is None or torch.device(device).type != "ember":
-            return base_new(cls, *args, **kwargs) if device is None else base_new(cls, *args, device=device, **kwargs)
+            return base_new(cls, *args, **kwargs, **({} if device is None else {"device": device}))
         if cls is not torch.UntypedStorage or len(args) != 1 or type(args[0]) is not int or args[0] < 0 or kwargs:
             raise NotImplementedError("an ember storage is made as UntypedStorage(nbytes, device='ember') only")
         dev = Dv.current_device()

@@ -19,7 +19,7 @@ import torch
 from ..protocol import messages as m
 from ..protocol.codec import agreed_features
 from . import _devices as Dv
-from ._internal import call
+from ._internal import call, cpu_peer
 
 _SIZE = torch.Generator().get_state().numel()
 
@@ -31,9 +31,8 @@ def _device() -> Any:
 
 
 def _serves(dev: Any) -> bool:
-    info = dev.info if dev is not None else {}
-    return info.get("spec") == "torch:cpu" and str(info.get("name", "")).split()[1:2] == [torch.__version__] \
-        and m.RNG_STATE_FEATURE in agreed_features(dev.session.welcome_features)
+    return dev is not None and cpu_peer(dev.info) and m.RNG_STATE_FEATURE in agreed_features(
+        dev.session.welcome_features)
 
 
 def available() -> bool:

@@ -34,7 +34,7 @@ import torch
 from ..protocol import messages as m
 from ..server.execute.rnn_layer import LSTM
 from . import _dispatch as D
-from ._internal import agreed, call
+from ._internal import agreed, call, cpu_peer
 from ._storage import ref_or_none
 
 aten = torch.ops.aten
@@ -47,10 +47,7 @@ _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 def _cpu_peer(t: Tensor) -> bool:
     """Whether ``t`` lives on a torch CPU peer running this torch (oneDNN's workspace sizes must agree)."""
     ref = ref_or_none(t)
-    if ref is None:
-        return False
-    info = ref.device.info
-    return info.get("spec") == "torch:cpu" and str(info.get("name", "")).split()[1:2] == [torch.__version__]
+    return ref is not None and cpu_peer(ref.device.info)
 
 
 def takes_onednn(input: Tensor, hx: list[Tensor], params: list[Tensor], n_params: int) -> bool:  # noqa: A002

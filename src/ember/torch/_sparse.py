@@ -203,8 +203,7 @@ def _sparse_dense(op: str, a: torch.Tensor, b: torch.Tensor, add: Any = None) ->
     args = [a.shape[0], a.shape[1], a.is_coalesced()]
     operands = [a._indices(), a._values(), b]
     if add is not None:
-        args += [add[1] if type(add[1]) in (int, float) else float(add[1]), add[2] if type(add[2]) in (int, float)
-                 else float(add[2])]
+        args += [x if type(x) in (int, float) else float(x) for x in add[1:]]  # beta, alpha
         operands.append(add[0])
     return call("torch.sparse_mm", args, operands, [((a.shape[0], b.shape[1]), b.dtype)])[0]
 

@@ -446,9 +446,10 @@ def internal_ops(device: torch.device, rng: SessionRandom, max_tensor: int) -> d
         return operand(buf, l[0], device).clone(memory_format=torch.contiguous_format)
 
     return {"torch.alloc": alloc, "torch.seed": seed, "torch.storage_of": storage_of, "torch.array_of": array_of,
-            **rnn_recompute.ops(device, operand, as_storage), **sparse_mm.ops(device, operand, as_storage),
-            "torch.rng_state": internal_calls.call(rng.state, device, operand, as_storage),
-            "torch.set_rng_state": internal_calls.call(rng.set_state, device, operand, as_storage)}
+            **{name: internal_calls.call(run, device, operand, as_storage) for name, run in (
+                ("torch.rnn_layer", rnn_recompute.layer), ("torch.rnn_layer_backward", rnn_recompute.layer_backward),
+                ("torch.sparse_mm", sparse_mm.sparse_mm), ("torch.rng_state", rng.state),
+                ("torch.set_rng_state", rng.set_state))}}
 
 
 class Refused:

@@ -396,14 +396,12 @@ CHECKS: dict[str, Check] = {
     "grid_sampler_2d_backward": _grid_backward, "grid_sampler_3d_backward": _grid_backward,
     "multi_margin_loss_backward": _margin_backward, "multilabel_margin_loss_backward": _margin_backward,
     "_grouped_mm": _grouped, "_scaled_grouped_mm": _grouped, "_scaled_grouped_mm_v2": _grouped,
-    "_fused_adam_": _fused_optimizer("fused adam", _ADAM, ("max_exp_avg_sqs",), True),
-    "_fused_adamw_": _fused_optimizer("fused adamw", _ADAM, ("max_exp_avg_sqs",), True),
-    "_fused_adam": _fused_optimizer("fused adam", _ADAM, ("max_exp_avg_sqs",), True),
-    "_fused_adamw": _fused_optimizer("fused adamw", _ADAM, ("max_exp_avg_sqs",), True),
-    "_fused_sgd_": _fused_optimizer("fused sgd", ("grads",), ("momentum_buffer_list",), False),
-    "_fused_sgd": _fused_optimizer("fused sgd", ("grads",), ("momentum_buffer_list",), False),
-    "_fused_adagrad_": _fused_optimizer("fused adagrad", ("grads", "state_sums"), (), True),
-    "_fused_adagrad": _fused_optimizer("fused adagrad", ("grads", "state_sums"), (), True),
+    **{name + suffix: check for name, check in (
+        ("_fused_adam", _fused_optimizer("fused adam", _ADAM, ("max_exp_avg_sqs",), True)),
+        ("_fused_adamw", _fused_optimizer("fused adamw", _ADAM, ("max_exp_avg_sqs",), True)),
+        ("_fused_sgd", _fused_optimizer("fused sgd", ("grads",), ("momentum_buffer_list",), False)),
+        ("_fused_adagrad", _fused_optimizer("fused adagrad", ("grads", "state_sums"), (), True)))
+       for suffix in ("_", "")},  # (in place, and the functional overload)
 }
 
 

@@ -68,8 +68,9 @@ def _like(op: str, name: str, t: Any, shape: tuple[int, ...], dtype: torch.dtype
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _sizes(op: str, a: Named) -> tuple[int, int, int, int]:
-    """``(T, N, I, H)`` after checking the literal arguments and the input and weights (all of the input's dtype)."""
+def _sizes(op: str, a: Named) -> tuple[int, int, int, int, torch.dtype]:
+    """``(T, N, I, H, dtype)`` after checking the literal arguments and the input and weights (all of the input's
+    dtype)."""
     if a["mode"] != LSTM:
         _fail(op, f"mode {a['mode']} is not an LSTM ({LSTM})")
     if list(a["batch_sizes"]):
@@ -88,21 +89,19 @@ def _sizes(op: str, a: Named) -> tuple[int, int, int, int]:
     if a["has_biases"]:
         _like(op, "bias_ih", w[2], (4 * h,), dt)
         _like(op, "bias_hh", w[3], (4 * h,), dt)
-    return t, n, i, h
+    return t, n, i, h, dt
 
 
 def check_layer(a: Named) -> None:
     op = "LSTM layer"
-    t, n, i, h = _sizes(op, a)
-    dt = a["input"].dtype
+    t, n, i, h, dt = _sizes(op, a)
     _dense(op, "hx", a["hx_"], (n, h), dt)
     _dense(op, "cx", a["cx_"], (n, h), dt)
 
 
 def check_layer_backward(a: Named) -> None:
     op = "LSTM layer backward"
-    t, n, i, h = _sizes(op, a)
-    dt = a["input"].dtype
+    t, n, i, h, dt = _sizes(op, a)
     for name, key, shape in (("hx", "hx_", (n, h)), ("cx", "cx_tmp", (n, h)), ("output", "output", (t, n, h)),
                              ("hy", "hy_", (n, h)), ("cy", "cy_", (n, h))):
         _dense(op, name, a[key], shape, dt)

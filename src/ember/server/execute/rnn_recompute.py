@@ -40,8 +40,6 @@ from typing import Any, Callable
 
 import torch
 
-from .internal_calls import call
-
 #: The layer composites a client sends one layer at a time, by ATen name, with torch's own function for each.
 LAYERS: dict[str, Callable[..., Any]] = {"gru": torch._VF.gru, "rnn_tanh": torch._VF.rnn_tanh,
                                          "rnn_relu": torch._VF.rnn_relu}
@@ -49,15 +47,15 @@ _FLOATS = (torch.float32, torch.float64)
 Tensor = torch.Tensor
 
 
-def _layer(a: Any, n_head: int, ts: list[Tensor]) -> tuple[Callable[..., Any], bool, bool, list[bool]]:
+def _layer(a: Any, ts: list[Tensor]) -> tuple[Callable[..., Any], bool, bool, list[bool]]:
     """(torch's layer function, has_biases, bidirectional, grads) of a call whose ``a`` begins ``[layer,
-    has_biases, bidirectional, grads]`` and whose operands ``ts`` are ``n_head`` tensors, then the parameters."""
+    has_biases, bidirectional, grads]`` and whose operands ``ts`` are ``x``, ``hx``, then the parameters."""
     if type(a) is not list or len(a) < 4 or type(a[0]) is not str or a[0] not in LAYERS \
             or type(a[1]) is not bool or type(a[2]) is not bool or type(a[3]) is not list:
         raise ValueError(f"malformed RNN layer call: {str(a)[:80]}")
     n_params = (4 if a[1] else 2) * (2 if a[2] else 1)
     grads = a[3]
-    if len(ts) != n_head + n_params or len(grads) != 2 + n_params or any(type(g) is not bool for g in grads):
+    if len(ts) != 2 + n_params or len(grads) != 2 + n_params or any(type(g) is not bool for g in grads):
         raise ValueError(f"an RNN layer call ({a[0]}, has_biases={a[1]}, bidirectional={a[2]}) takes {n_params} "
                          f"parameters and a requires-grad flag for each of its {2 + n_params} tensors")
     dtype = ts[0].dtype
@@ -72,7 +70,7 @@ def _marked(ts: list[Tensor], grads: list[bool]) -> list[Tensor]:
 
 def layer(a: Any, ts: list[Tensor]) -> list[Tensor]:
     """``torch.rnn_layer``: ``[output, h_n]`` of one layer (no graph kept)."""
-    fn, has_biases, bidirectional, grads = _layer(a, 2, ts)
+    fn, has_biases, bidirectional, grads = _layer(a, ts)
     if len(a) != 4:
         raise ValueError("malformed torch.rnn_layer call")
     with torch.no_grad():
@@ -87,7 +85,7 @@ def layer_backward(a: Any, ts: list[Tensor]) -> list[Tensor]:
         raise ValueError("malformed torch.rnn_layer_backward call (at least one output's gradient)")
     given = [i for i in (0, 1) if a[4 + i]]
     head = ts[:2] + ts[2 + len(given):]
-    fn, has_biases, bidirectional, grads = _layer(a, 2, head)
+    fn, has_biases, bidirectional, grads = _layer(a, head)
     outs_grad = ts[2:2 + len(given)]
     if any(g.dtype is not head[0].dtype for g in outs_grad):
         raise ValueError("an RNN layer's output gradients are of its dtype")
@@ -99,11 +97,4 @@ def layer_backward(a: Any, ts: list[Tensor]) -> list[Tensor]:
     return [torch.zeros_like(x) if g is None else g for g, x in zip(got, want)]
 
 
-def ops(device: Any, operand: Callable[[Any, Any, Any], Tensor],
-        as_storage: Callable[[Tensor], Tensor]) -> dict[str, Callable[..., Any]]:
-    """The two internal ops on ``device`` (``aten.internal_ops``; operands and results by :mod:`.internal_calls`)."""
-    return {"torch.rnn_layer": call(layer, device, operand, as_storage),
-            "torch.rnn_layer_backward": call(layer_backward, device, operand, as_storage)}
-
-
-__all__ = ["LAYERS", "layer", "layer_backward", "ops"]
+__all__ = ["LAYERS", "layer", "layer_backward"]

@@ -69,7 +69,6 @@ class SessionRandom:
                 self.generator.set_state(d.get_state())
                 d.set_state(saved)
 
-
     def state(self, a: Any, ts: list[torch.Tensor]) -> list[torch.Tensor]:
         """``torch.rng_state``: the stream's state, as its generator's ``get_state`` bytes, on the device."""
         if a != [] or ts:

@@ -16,11 +16,9 @@ Message (:mod:`.internal_calls`): operands ``indices`` (int64, ``[2, nnz]``), ``
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
-
-from .internal_calls import call
 
 Tensor = torch.Tensor
 #: The largest side of a sparse matrix (an int64 linear index of its nonzeros must not overflow).
@@ -42,9 +40,4 @@ def sparse_mm(a: Any, ts: list[Tensor]) -> list[Tensor]:
     return [torch.mm(s, dense) if len(a) == 3 else torch.addmm(ts[3], s, dense, beta=a[3], alpha=a[4])]
 
 
-def ops(device: Any, operand: Callable[[Any, Any, Any], Tensor],
-        as_storage: Callable[[Tensor], Tensor]) -> dict[str, Callable[..., Any]]:
-    return {"torch.sparse_mm": call(sparse_mm, device, operand, as_storage)}
-
-
-__all__ = ["sparse_mm", "ops", "MAX_SIDE"]
+__all__ = ["sparse_mm", "MAX_SIDE"]
