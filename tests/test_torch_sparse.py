@@ -21,8 +21,10 @@ def where(request: pytest.FixtureRequest) -> Iterator[None]:
     if request.param == "embedded":
         yield
         return
-    with ember.connect(request.getfixturevalue("torch_peer")):
+    dev = ember.connect(request.getfixturevalue("torch_peer"))
+    with dev:
         yield
+    dev.close()  # (the module's peer allows one client 32 sessions)
 
 
 def _dense() -> torch.Tensor:
@@ -83,6 +85,10 @@ CASES: dict[str, Callable[[str], Any]] = {
     "sparse.mm": lambda d: torch.sparse.mm(_matrix().to(d), _rhs().to(d)),
     "addmm": lambda d: torch.addmm(_rhs(4).to(d), _matrix().to(d), _rhs().to(d), beta=0.5, alpha=2.0),
     "sparse.addmm": lambda d: torch.sparse.addmm(_rhs(4).to(d), _matrix().to(d), _rhs().to(d)),
+    "dense+sparse": lambda d: torch.add(_dense().to(d), _uncoalesced().to(d), alpha=-0.3),
+    "dense-sparse_2d": lambda d: _dense()[:, :, 1].to(d) - _matrix().to(d),
+    "dense.add_(sparse)": lambda d: _dense().to(d).add_(_uncoalesced().to(d).coalesce(), alpha=0.7),
+    "dense.sub_(sparse)": lambda d: _dense()[:, :, 0].to(d).sub_(_matrix().to(d)),
 }
 
 
@@ -164,6 +170,30 @@ def _gcn(device: str) -> tuple[list[float], list[Any]]:
     return losses, [p.detach().cpu() for p in model.parameters()]
 
 
+def _sparse_embedding(device: str, opt: str) -> tuple[list[float], Any]:
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(20, 4, sparse=True).to(device)
+    o = getattr(torch.optim, opt)(emb.parameters(), lr=0.1)
+    losses = []
+    for step in range(4):
+        idx = torch.tensor([[1, 2, 2, 5], [7, 1, 0, 19 - step]]).to(device)  # a repeated row: a gradient to coalesce
+        loss = (emb(idx) ** 2).sum()
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+    return losses, emb.weight.detach().cpu()
+
+
+@pytest.mark.parametrize("opt", ["SGD", "Adagrad", "SparseAdam"])
+def test_optimizers_on_a_sparse_embedding_gradient_equal_cpu(opt: str, where: None) -> None:
+    """``nn.Embedding(sparse=True)``: each optimizer adds a sparse step to a dense tensor (``param.add_(sparse,
+    alpha=-lr)``, Adagrad's and SparseAdam's states too) by CPU's kernel on the peer, which adds each nonzero with a
+    fused multiply-add (an ``index_put_`` of the scaled values rounds otherwise)."""
+    want, got = _sparse_embedding("cpu", opt), _sparse_embedding("ember", opt)
+    assert want[0] == got[0] and torch.equal(want[1], got[1])
+
+
 def test_a_graph_network_with_a_sparse_adjacency_trains_bit_equal_to_cpu(where: None) -> None:
     """``spmm`` and its backward (``adj.t() @ grad``) by CPU torch's own sparse kernel on the peer, which adds each
     nonzero's products in the order of the nonzeros (no composition of dense ops rounds so)."""
@@ -186,3 +216,20 @@ def test_a_hostile_sparse_mm_is_refused_by_the_peer_and_the_session_goes_on(chan
         with edit_next_op(change, only="torch.sparse_mm"), pytest.raises(RemoteExecutionError, match=words):
             torch.mm(a, b).cpu()
         assert torch.equal(torch.mm(a, b).cpu(), torch.mm(_matrix(), _rhs()))
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda kw: kw["l"].__setitem__(0, [[2, 5], [5, 1], 0, "float64"]), "size|index|bound"),  # fewer dense rows
+    (lambda kw: kw["a"].__setitem__(0, True), "coalesced"),              # a repeated index called coalesced
+    (lambda kw: kw["a"].__setitem__(1, "x"), "malformed"),               # alpha not a number
+    (lambda kw: kw["l"][2].__setitem__(3, "float32"), "dtype"),           # values of another dtype than the dense
+    (lambda kw: kw["l"][1].__setitem__(3, "int32"), "int64"),
+], ids=["index-past-rows", "false-coalesced", "alpha", "values-dtype", "int32-indices"])
+def test_a_hostile_sparse_add_is_refused_by_the_peer_and_the_session_goes_on(change: Any, words: str) -> None:
+    from ember.errors import RemoteExecutionError
+    from test_torch_positions import edit_next_op
+    with ember.connect("local:torch"):
+        d, s = _dense()[:, :, 0].to("ember"), _matrix().to("ember")
+        with edit_next_op(change, only="torch.sparse_add"), pytest.raises(RemoteExecutionError, match=words):
+            (d + s).cpu()
+        assert torch.equal((d + s).cpu(), _dense()[:, :, 0] + _matrix())

@@ -73,13 +73,16 @@ DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32"
 MEMORY_FORMATS = ("contiguous_format", "preserve_format", "channels_last", "channels_last_3d")
 
 INTERNAL = frozenset({"torch.alloc", "torch.seed", "torch.storage_of", "torch.array_of", "torch.rnn_layer",
-                      "torch.rnn_layer_backward", "torch.sparse_mm", "torch.rng_state", "torch.set_rng_state"})
+                      "torch.rnn_layer_backward", "torch.sparse_mm", "torch.sparse_add", "torch.rng_state",
+                      "torch.set_rng_state"})
 """Ember's own torch ops: ``alloc`` (a zeroed storage of ``kwargs["n"]`` bytes), ``seed``
 (reseed the session's generator), ``storage_of`` (a storage holding a value's bytes, C order),
 ``array_of`` (a contiguous value, for ``ember.array_api``, from an operand's layout),
 ``rnn_layer`` and ``rnn_layer_backward`` (one ``gru`` / ``rnn_tanh`` / ``rnn_relu`` layer and its gradients,
 with feature ``"rnn_layers"``: ``server/execute/rnn_recompute.py``), ``sparse_mm`` (a sparse COO matrix, as its
-indices and values, times a dense one, with feature ``"sparse_mm"``: ``server/execute/sparse_mm.py``),
+indices and values, times a dense one, with feature ``"sparse_mm"``: ``server/execute/sparse_mm.py``), ``sparse_add``
+(a dense tensor plus a scaled sparse one, an optimizer's step on a sparse gradient, with feature ``"sparse_add"``: the
+same file),
 ``rng_state`` / ``set_rng_state`` (the session's random stream saved into a storage and set from one, with
 feature ``"rng_state"``: ``torch.utils.checkpoint`` replays a dropout's mask)."""
 

@@ -142,7 +142,7 @@ MAX_DATA_HEAD = 4096
 #: Tensors up to this many bytes travel inside a batch (MessagePack ``bin``), larger ones in data frames.
 INLINE_DATA = 64 * 1024
 #: Optional wire features this version speaks, negotiated in Hello / Welcome.
-FEATURES = ("data", "lanes", "compile", "offsets", "rnn_layers", "sparse_mm", "rng_state")
+FEATURES = ("data", "lanes", "compile", "offsets", "rnn_layers", "sparse_mm", "rng_state", "sparse_add")
 DATA_FEATURE = "data"
 #: Compiled graphs on the peer (``ember serve --compile``; server/execute/compiled.py): offered only by a
 #: client that asks for them (``connect(..., compile=True)``), agreed only by a peer started with the option.
@@ -154,6 +154,8 @@ OFFSETS_FEATURE = "offsets"
 RNN_FEATURE = "rnn_layers"
 #: The internal op ``torch.sparse_mm`` (``server/execute/sparse_mm.py``): a sparse COO matrix times a dense one.
 SPARSE_MM_FEATURE = "sparse_mm"
+#: The internal op ``torch.sparse_add`` (the same file): a dense tensor plus ``alpha`` times a sparse one.
+SPARSE_ADD_FEATURE = "sparse_add"
 #: The internal ops ``torch.rng_state`` / ``torch.set_rng_state``: the session's random stream saved and restored.
 RNG_STATE_FEATURE = "rng_state"
 #: Several streams per large transfer (``protocol.lanes``); only with ``"data"``.

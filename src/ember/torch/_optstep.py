@@ -364,8 +364,9 @@ class _Guide:
 
 
 def _where(opt: Optimizer) -> tuple[Any, Any, Any] | None:
-    """(the grads' None pattern, session, device) when every parameter is on one Ember device and no group is
-    differentiable; else None (the step runs eagerly)."""
+    """(the grads' None pattern, session, device) when every parameter is on one Ember device, no group is
+    differentiable and no gradient is sparse (its step's shapes depend on its values); else None (the step runs
+    eagerly)."""
     pattern: list[bool] = []
     first: StorageRef | None = None
     for g in opt.param_groups:
@@ -376,6 +377,8 @@ def _where(opt: Optimizer) -> tuple[Any, Any, Any] | None:
             if r is None or (first is not None and r.session is not first.session):
                 return None
             first = first or r
+            if p.grad is not None and p.grad.layout is not torch.strided:
+                return None
             pattern.append(p.grad is None)
     if first is None:
         return None

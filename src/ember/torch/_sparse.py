@@ -11,6 +11,8 @@ ops, as torch writes its own sparse kernels; the ones that read the impl's field
 Held: making one (``to_sparse()`` / ``to_sparse(sparse_dim)``, ``torch.sparse_coo_tensor`` with ember
 indices and values, a CPU sparse tensor ``.to("ember")``), reading it back (``.cpu()``, ``to_dense()``,
 ``indices()``/``values()``, ``coalesce()``), ``clone``, ``neg``, ``add``/``sub`` of two sparse tensors,
+a dense tensor plus a sparse one (``add``, ``add_``, ``sub``, ``sub_``: an optimizer's step on a sparse gradient, by
+CPU's kernel on the peer),
 ``mul`` by a dense tensor or a scalar, ``sum``, ``sparse_mask``, a matrix's ``t()``, and autograd through them;
 and a sparse matrix times a dense one (``mm``, ``spmm``), which CPU torch's own kernel computes on the peer
 (``server/execute/sparse_mm.py``: the peer rebuilds the sparse matrix there, its invariants checked). Any other
@@ -124,9 +126,11 @@ def _same_shape(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def add(a: torch.Tensor, b: Any, *, alpha: Any = 1) -> torch.Tensor:
+    if isinstance(b, torch.Tensor) and b.is_sparse and not a.is_sparse:
+        return _dense_plus_sparse("add", a, b, alpha)
     if not (isinstance(b, torch.Tensor) and a.is_sparse and b.is_sparse):
-        raise NotImplementedError("aten.add on ember: sparse + dense is not held (sparse + sparse is); "
-                                  "use a.to_dense() + b")
+        raise NotImplementedError("aten.add on ember: sparse + dense is not held (sparse + sparse and dense + sparse "
+                                  "are); use a.to_dense() + b")
     _same_shape(a, b, "add")
     if a.sparse_dim() != b.sparse_dim():
         raise RuntimeError(f"add: expected 'self' and 'other' to have same density, but 'self' has "
@@ -139,6 +143,34 @@ def add(a: torch.Tensor, b: Any, *, alpha: Any = 1) -> torch.Tensor:
 
 def sub(a: torch.Tensor, b: Any, *, alpha: Any = 1) -> torch.Tensor:
     return add(a, b, alpha=-alpha)
+
+
+def add_(a: torch.Tensor, b: Any, *, alpha: Any = 1) -> torch.Tensor:
+    """``dense.add_(sparse, alpha=...)``: every optimizer's step on a sparse gradient (SGD, Adagrad, SparseAdam on
+    ``nn.Embedding(sparse=True)``), by CPU's own kernel on the peer, then copied into ``a``."""
+    if a.is_sparse or not isinstance(b, torch.Tensor):
+        raise NotImplementedError("aten.add_ on ember: a sparse tensor added in place is not held (dense.add_(sparse) "
+                                  "is); use a = a + b")
+    return a.copy_(_dense_plus_sparse("add_", a, b, alpha))
+
+
+def sub_(a: torch.Tensor, b: Any, *, alpha: Any = 1) -> torch.Tensor:
+    return add_(a, b, alpha=-alpha)
+
+
+def _dense_plus_sparse(op: str, a: torch.Tensor, b: torch.Tensor, alpha: Any) -> torch.Tensor:
+    """``a + alpha * b``, ``a`` dense and ``b`` sparse, by CPU torch's kernel on the peer (``torch.sparse_add``:
+    it adds each nonzero with one fused multiply-add, as no composition of dense ops rounds)."""
+    from ..protocol import messages as m
+    from ._internal import agreed, call
+    _same_shape(a, b, op)
+    if a.dtype != b.dtype or a.dtype.is_complex or not agreed(a, m.SPARSE_ADD_FEATURE):
+        raise NotImplementedError(f"aten.{op} on ember: a dense tensor plus a sparse one of its real dtype is held, on "
+                                  f"a peer that runs torch.sparse_add (here {a.dtype} and {b.dtype}); use "
+                                  ".to_dense() on the sparse one")
+    alpha = alpha.item() if isinstance(alpha, torch.Tensor) else alpha
+    alpha = alpha if type(alpha) in (int, float) else float(alpha)
+    return call("torch.sparse_add", [b.is_coalesced(), alpha], [a, b._indices(), b._values()], [(a.shape, a.dtype)])[0]
 
 
 def mul(a: Any, b: Any) -> torch.Tensor:
@@ -210,7 +242,8 @@ def _sparse_dense(op: str, a: torch.Tensor, b: torch.Tensor, add: Any = None) ->
 
 #: ATen name -> kernel for sparse ember operands (SparsePrivateUse1).
 SPARSE_KERNELS = {"_to_dense": to_dense, "_coalesce": coalesce, "clone": clone, "neg": neg,
-                  "add.Tensor": add, "sub.Tensor": sub, "mul.Tensor": mul, "sum": sum_all,
+                  "add.Tensor": add, "sub.Tensor": sub, "add_.Tensor": add_, "sub_.Tensor": sub_,
+                  "mul.Tensor": mul, "sum": sum_all,
                   "sparse_mask": sparse_mask, "t": t, "mm": mm, "addmm": addmm, "_sparse_addmm": addmm}
 #: ATen name -> kernel for a dense ember operand making a sparse tensor (PrivateUse1).
 DENSE_KERNELS = {"_to_sparse": to_sparse_layout, "_to_sparse.sparse_dim": to_sparse_dim}

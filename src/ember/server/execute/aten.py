@@ -448,7 +448,8 @@ def internal_ops(device: torch.device, rng: SessionRandom, max_tensor: int) -> d
     return {"torch.alloc": alloc, "torch.seed": seed, "torch.storage_of": storage_of, "torch.array_of": array_of,
             **{name: internal_calls.call(run, device, operand, as_storage) for name, run in (
                 ("torch.rnn_layer", rnn_recompute.layer), ("torch.rnn_layer_backward", rnn_recompute.layer_backward),
-                ("torch.sparse_mm", sparse_mm.sparse_mm), ("torch.rng_state", rng.state),
+                ("torch.sparse_mm", sparse_mm.sparse_mm), ("torch.sparse_add", sparse_mm.sparse_add),
+                ("torch.rng_state", rng.state),
                 ("torch.set_rng_state", rng.set_state))}}
 
 

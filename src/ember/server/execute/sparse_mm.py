@@ -16,6 +16,7 @@ Message (:mod:`.internal_calls`): operands ``indices`` (int64, ``[2, nnz]``), ``
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -40,4 +41,22 @@ def sparse_mm(a: Any, ts: list[Tensor]) -> list[Tensor]:
     return [torch.mm(s, dense) if len(a) == 3 else torch.addmm(ts[3], s, dense, beta=a[3], alpha=a[4])]
 
 
-__all__ = ["sparse_mm", "MAX_SIDE"]
+def sparse_add(a: Any, ts: list[Tensor]) -> list[Tensor]:
+    """``[dense + alpha * sparse(indices, values, dense.shape)]`` (``dense.add_(sparse, alpha=...)``)."""
+    if type(a) is not list or len(a) != 2 or type(a[0]) is not bool or type(a[1]) not in (int, float) \
+            or len(ts) != 3:
+        raise ValueError(f"malformed torch.sparse_add call: a = [coalesced, alpha] and three operands; "
+                         f"got {str(a)[:60]}")
+    dense, indices, values = ts
+    if indices.dtype is not torch.int64 or indices.dim() != 2 or not 0 < indices.shape[0] <= dense.dim() \
+            or values.dtype != dense.dtype or values.dim() != 1 + dense.dim() - indices.shape[0]:
+        raise ValueError("torch.sparse_add: int64 indices of shape [sparse_dim, nnz] and values of shape "
+                         "[nnz, *dense_dims] of the dense tensor's dtype")
+    sides = dense.shape[:indices.shape[0]]
+    if any(n >= MAX_SIDE for n in sides) or math.prod(sides) >= 1 << 62:
+        raise ValueError("torch.sparse_add: each sparse dimension under 2**31, their product under 2**62")
+    s = torch.sparse_coo_tensor(indices, values, dense.shape, is_coalesced=a[0], check_invariants=True)
+    return [torch.add(dense, s, alpha=a[1])]
+
+
+__all__ = ["sparse_mm", "sparse_add", "MAX_SIDE"]
