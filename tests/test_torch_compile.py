@@ -112,6 +112,45 @@ def test_a_capture_that_reseeds_is_captured_again_and_random_ops_match_eager() -
     assert C.stats["replays"] == before["replays"] + 2
 
 
+class _Checkpointed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.drop = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), torch.nn.Dropout(0.3)
+
+    def block(self, x: Any) -> Any:
+        return self.drop(torch.relu(self.a(x)))
+
+    def forward(self, x: Any) -> Any:
+        return self.b(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
+
+
+def _checkpointed_steps(device: str, compiled: bool) -> tuple[list[float], list[Any]]:
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    m = _Checkpointed().to(device)
+    f = torch.compile(m, backend="ember" if device == "ember" else "aot_eager") if compiled else m
+    x = x.to(device)
+    torch.manual_seed(1)  # (after every CPU draw: the peer's stream and the CPU's start alike)
+    losses = []
+    for _ in range(3):
+        loss = f(x).pow(2).mean()
+        loss.backward()
+        losses.append(loss.item())
+    return losses, [p.grad.cpu() for p in m.parameters()]
+
+
+def test_a_compiled_checkpointed_region_with_dropout_replays_its_mask_as_cpu() -> None:
+    """torch.compile turns a checkpointed region's random ops into torch's ``run_and_save_rng_state`` /
+    ``run_with_rng_state``, whose kernels know cpu/cuda/hpu/xpu only ("Backend not supported for ember"
+    before): ember's save and restore the peer's stream (``_rng.install_compiled``). Equal to eager ember and
+    to CPU, gradients included (the recompute draws the forward's mask)."""
+    with ember.connect("local:torch"):
+        got, eager = _checkpointed_steps("ember", True), _checkpointed_steps("ember", False)
+    want = _checkpointed_steps("cpu", True)
+    for other in (eager, want):
+        assert got[0] == other[0] and all(torch.equal(a, b) for a, b in zip(got[1], other[1]))
+
+
 def test_a_compiled_optimizer_step_keeps_its_writes_in_the_graph_and_replays() -> None:
     """torch.compile(opt.step): an inference graph that writes its inputs (parameters, state) in place;
     the writes stay in the graph (keep_inference_input_mutations), one REPLAY per step, bit-equal."""

@@ -312,6 +312,9 @@ def compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
+    from ._rng import install_compiled
+    install_compiled()  # (a checkpointed region's random ops: their kernels for ember)
+
     def training_graph(g: torch.fx.GraphModule, _inputs: list[Any]) -> Callable[..., Any]:
         return make_boxed_func(Replayer(g, joins=True))
 

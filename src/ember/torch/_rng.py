@@ -8,6 +8,10 @@ at a checkpointed forward and restores it for the recompute, so a dropout inside
 ``torch.random.fork_rng(device_type="ember")`` works the same way. Offered by a torch CPU peer of this torch
 version (the state's size is this process's CPU generator's): elsewhere ``available()`` is False, and
 checkpoint leaves the device's stream alone, as before.
+
+Under ``torch.compile``, a checkpointed region's random ops become torch's higher-order ops
+``run_and_save_rng_state`` / ``run_with_rng_state``, whose kernels know cpu, cuda, hpu and xpu only;
+:func:`install_compiled` adds ember to them over the same two ops (a traced call makes a fake state).
 """
 
 from __future__ import annotations
@@ -64,4 +68,65 @@ def set_state(state: torch.Tensor) -> None:
     call("torch.set_rng_state", [], [state if state.device.type == "ember" else state.to("ember")], [], dev)
 
 
-__all__ = ["available", "get_state", "set_state"]
+def _fake_state(args: Any, kwargs: Any) -> torch.Tensor | None:
+    """A state for a call traced on fake tensors (``torch.compile`` tracing: nothing reaches the peer), else None."""
+    from torch._guards import detect_fake_mode
+    mode = detect_fake_mode((args, kwargs))
+    if mode is None:
+        return None
+    with mode:
+        return torch.empty(_SIZE, dtype=torch.uint8, device="ember")
+
+
+def install_compiled() -> None:
+    """Give torch's ``run_and_save_rng_state`` / ``run_with_rng_state`` (a compiled checkpointed region's random
+    ops) ember kernels over :func:`get_state` / :func:`set_state`; other devices keep torch's own."""
+    from torch._C import DispatchKey
+    from torch._higher_order_ops.utils import registered_hop_fake_fns
+    from torch._prims import rng_prims as R
+    from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
+    save, run_with, select = R.run_and_save_rng_state, R.run_with_rng_state, DispatchKey.BackendSelect
+    if getattr(save.py_kernels[select], "_ember", False):
+        return
+    save_torch, save_fake, save_proxy = (save.py_kernels[select], registered_hop_fake_fns[save],
+                                         save.python_key_table[ProxyTorchDispatchMode])
+    with_torch = run_with.py_kernels[select]
+
+    def save_select(op: Any, *args: Any, **kwargs: Any) -> Any:
+        if R.get_device(args, kwargs) != "ember":
+            return save_torch(op, *args, **kwargs)
+        state = _fake_state(args, kwargs)
+        return (get_state() if state is None else state), op(*args, **kwargs)
+
+    def save_traced(op: Any, *args: Any, **kwargs: Any) -> Any:  # (fake mode: torch's calls its own select)
+        return save_select(op, *args, **kwargs) if R.get_device(args, kwargs) == "ember" else \
+            save_fake(op, *args, **kwargs)
+
+    def save_proxied(mode: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if R.get_device(args, kwargs) != "ember":
+            return save_proxy(mode, op, *args, **kwargs)
+        out = save_select(op, *args, **kwargs)
+        proxy_args = R.pytree.tree_map(mode.tracer.unwrap_proxy, (op, *args))
+        proxy_kwargs = R.pytree.tree_map(mode.tracer.unwrap_proxy, kwargs)
+        out_proxy = mode.tracer.create_proxy("call_function", save, proxy_args, proxy_kwargs)
+        return R.track_tensor_tree(out, out_proxy, constant=None, tracer=mode.tracer)
+
+    def with_select(rng_state: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if R.get_device(args, kwargs) != "ember":
+            return with_torch(rng_state, op, *args, **kwargs)
+        current = get_state()
+        set_state(rng_state)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            set_state(current)
+
+    save_select._ember = True  # type: ignore[attr-defined]
+    save.py_kernels[select], run_with.py_kernels[select] = save_select, with_select
+    save.python_key_table[ProxyTorchDispatchMode] = save_proxied
+    registered_hop_fake_fns[save] = save_traced
+    save._dispatch_cache.clear()
+    run_with._dispatch_cache.clear()
+
+
+__all__ = ["available", "get_state", "set_state", "install_compiled"]
