@@ -192,6 +192,8 @@ def register() -> None:
         rnn_cells.install("Meta", replace=("_thnn_fused_lstm_cell",))  # and one that fails without biases
         from . import _rnn  # nn.LSTM on a CPU peer: CPU torch's oneDNN layer ops, not per-step cells
         _libs.append(_rnn.install())
+        from . import _group_norm  # a channels-last input's GroupNorm gradient as CPU computes it
+        _libs.append(_group_norm.install())
         import sys
         from ._compat import hide_from_dynamo  # ember's kernels run below torch.compile, never in it
         hide_from_dynamo([m for n, m in list(sys.modules.items()) if n.startswith("ember.torch._")
