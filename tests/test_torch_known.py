@@ -130,3 +130,41 @@ def test_released_tensors_are_forgotten(torch_peer: str) -> None:
         import gc
         gc.collect()
         assert len(dev.session.known) <= 2
+
+
+def test_a_known_mask_cast_cloned_or_copied_from_stays_known(torch_peer: str) -> None:
+    """transformers' masking code casts the uploaded attention mask (``.to(torch.bool)``) before ``.all()``; a copy
+    writes its destination only, so its source stays known."""
+    am = torch.ones(4, 12, dtype=torch.long)
+    am[:, 9:] = 0
+    with ember.connect(torch_peer) as dev:
+        e = am.to("ember")
+        assert not bool(e.bool().all()) and bool(e.to(torch.int32).any()) and int(e.clone().sum()) == 36
+        dst = torch.zeros(4, 12, dtype=torch.long, device="ember")
+        dst.copy_(e)
+        assert int(e.sum()) == 36 and stats(dev) == (4, 0)
+        assert int(dst.sum()) == 36 and stats(dev) == (4, 1)  # (the destination was written: the peer says)
+
+
+def test_data_dependent_calls_on_known_operands_need_no_round_trip(torch_peer: str) -> None:
+    """``nonzero``, ``unique``, a boolean mask's index or ``masked_select`` of a float tensor: their outputs'
+    layouts depend on known values only, so they are computed here (by CPU torch, on a CPU peer) and the peer
+    checks its results against them; the results equal local CPU torch, and are known when every operand is
+    (diffusers' ``DDPMScheduler.previous_timestep``: ``(timesteps == t).nonzero()``)."""
+    ids = torch.randint(0, 6, (8, 32), generator=torch.Generator().manual_seed(1))
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(2))
+    mask = ids % 3 == 0
+    with ember.connect(torch_peer) as dev:
+        e, xe = ids.to("ember"), x.to("ember")
+        m = e % 3 == 0
+        nz, u, sel, ms = m.nonzero(), torch.unique(e, return_counts=True), xe[m], torch.masked_select(xe, m)
+        ts = torch.arange(999, -1, -200).to("ember")
+        step = (ts == ts[2]).nonzero(as_tuple=True)[0][0]
+        assert int(step) == 2 and nz.shape == mask.nonzero().shape and stats(dev) == (1, 0)
+        assert nz.tolist() == mask.nonzero().tolist()
+        assert u[1].tolist() == torch.unique(ids, return_counts=True)[1].tolist()
+        assert stats(dev) == (3, 0)  # (every operand known: so are the results)
+        assert torch.equal(sel.cpu(), x[mask]) and torch.equal(ms.cpu(), torch.masked_select(x, mask))
+        assert stats(dev) == (3, 2)
+        f = torch.randn(5).to("ember")
+        assert torch.equal((f > 0).nonzero().cpu(), (f > 0).nonzero().cpu())  # unknown: the peer is asked

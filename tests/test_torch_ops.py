@@ -324,3 +324,17 @@ def test_group_norm_gradients_on_a_channels_last_input_equal_cpu(layout: Any, ho
     with ember.connect("local:torch"):
         got = _group_norm_grads("ember", layout, how)
     assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(want, got))
+
+
+def test_foreach_copy_across_devices_copies_each_pair_as_torch_does() -> None:
+    """``torch._foreach_copy_`` with CPU and ember tensors mixed (diffusers' ``EMAModel.restore`` copies its CPU
+    copies back into the model) copies pair by pair, as torch's slow path does; one device: one op."""
+    with ember.connect("local:torch"):
+        dst = [torch.zeros(3, device="ember"), torch.zeros(2, 2, device="ember")]
+        torch._foreach_copy_(dst, [torch.ones(3), torch.full((2, 2), 2.0)])
+        assert torch.equal(dst[0].cpu(), torch.ones(3)) and torch.equal(dst[1].cpu(), torch.full((2, 2), 2.0))
+        back = [torch.zeros(3), torch.zeros(2, 2)]
+        torch._foreach_copy_(back, dst)
+        assert torch.equal(back[1], torch.full((2, 2), 2.0))
+        torch._foreach_copy_(dst, [dst[0] * 3, dst[1] + 1])
+        assert torch.equal(dst[0].cpu(), torch.full((3,), 3.0)) and torch.equal(dst[1].cpu(), torch.full((2, 2), 3.0))

@@ -3,7 +3,8 @@
 ``ClientSession.known`` maps a storage id to its exact bytes as the frontend holds them (``ember.torch``'s
 ``_known``: small integer tensors made from constants or uploads). The session forgets an id whenever a
 message it sends may write that id, so that a read of a known id is always the peer's value: an op's
-arguments unless the frontend says the op writes none (``op_writes``), every id of any other message but a
+arguments unless the frontend says the op writes none (``op_writes``) or which it writes
+(``op_written``), every id of any other message but a
 request that only reads, a captured graph's inputs and outputs (``replay_graph``), and a released id.
 """
 
@@ -22,6 +23,9 @@ class Knowing:
 
     known: dict[int, Any]
     op_writes: Any
+    #: the frontend's ``name -> (how many ids its call names, which of them it writes)`` where its schema says
+    #: exactly (``aten.copy_``: 2, (0,): the source stays known); None: every argument may be written
+    op_written: Any = None
     #: op names the frontend said write none of their arguments (``record``'s quick test while ids are known)
     pure: set[str]
 
@@ -37,9 +41,12 @@ class Knowing:
                 self.pure.add(msg[1])
                 return
             smask = msg[3]
-            for j, a in enumerate(msg[2]):
-                if not smask >> j & 1 and type(a) is int:
-                    known.pop(a, None)
+            ids = [a for j, a in enumerate(msg[2]) if not smask >> j & 1 and type(a) is int]
+            exact = self.op_written(msg[1]) if self.op_written is not None else None
+            if exact is not None and exact[0] == len(ids):  # (no operand left out or added: positions hold)
+                ids = [ids[k] for k in exact[1]]
+            for a in ids:
+                known.pop(a, None)
             return
         if kind in READS_ONLY:
             return

@@ -18,7 +18,7 @@ from ..client.device import Device
 from ..errors import EmberError
 from ..protocol import messages as m
 from ..protocol import ops
-from ._schema import WRITES, OpInfo
+from ._schema import WRITES, WRITTEN, OpInfo
 from ._storage import StorageRef, live_session
 
 _OP = m.OP
@@ -74,6 +74,7 @@ def check_torch(dev: Device) -> None:
         w = getattr(s, "op_writes", False)
         if w is None or w is ops.writes:  # (what this frontend's ops write: a read may overtake the rest of
             s.op_writes = _writes         # its step; a mesh's sessions are not split)
+            s.op_written = WRITTEN.get
         return
     raise NotATorchDevice(
         f"ember tensors need a torch device, and {dev!r} is a {kind} device ({dev.info.get('spec')})",

@@ -253,7 +253,8 @@ def _call(i: OpInfo, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         try:
             plan = _meta.infer(i, values, operands, template, layouts)
         except _meta.DataDependent:
-            return run_dynamic(i, operands, scalars, template, layouts, values)
+            got = _known_call(i, values, operands, refs, scalars, template, layouts)
+            return run_dynamic(i, operands, scalars, template, layouts, values) if got is _ASK else got
         counters["cache_misses"] += 1
         if len(_cache) >= _CACHE_MAX:
             _cache.clear()
@@ -264,6 +265,38 @@ def _call(i: OpInfo, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             _fast.clear()
         _fast[walked[0]] = (plan, scalars[len(walked[3]):], _one_result(i, plan, refs))
     return _run(i, plan, operands, refs, scalars)
+
+
+_ASK = object()
+
+
+def _known_call(i: OpInfo, values: list[Any], operands: list[torch.Tensor], refs: list[StorageRef],
+                scalars: list[Any], template: list[Any], layouts: list[Any]) -> Any:
+    """A data-dependent call (``nonzero``, a boolean mask's index...) whose deciding operands the client knows
+    (``_known``), on a torch CPU peer of this torch: its outputs' layouts computed here, by CPU torch on those
+    bytes, so no round trip asks for them (the peer checks its results against them, as for any call); the
+    results are known too when every operand is. ``_ASK``: ask the peer (``run_dynamic``)."""
+    if not refs or i.seeded or any(i.writes) or i.refused is not None or i.list_return:
+        return _ASK
+    s = refs[0].session
+    got = _known.deciding_bytes(i.base, operands, s)
+    if got is None or not _on_cpu_peer(refs[0].device):
+        return _ASK
+    try:
+        plan, flat = _meta.infer_on_cpu(i, values, operands, template, layouts, got[0])
+    except Exception:  # noqa: BLE001 - what CPU torch refuses here, the peer says (and run_dynamic asks it)
+        return _ASK
+    out = _run(i, plan, operands, refs, scalars)
+    if got[1]:
+        for res, c in zip(out if isinstance(out, (tuple, list)) else [out], flat):
+            if isinstance(res, torch.Tensor):
+                _known.remember(res, c)
+    return out
+
+
+def _on_cpu_peer(dev: Device) -> bool:
+    from ._internal import cpu_peer
+    return cpu_peer(dev.info)
 
 
 def _fast_walk(i: OpInfo, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[torch.Tensor], list[StorageRef],

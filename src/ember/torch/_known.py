@@ -69,10 +69,8 @@ def follow(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], res: torch.Te
     known = getattr(s, "known", None)  # (a mesh's sessions know nothing)
     if known is None or r.sid in known or len(known) >= MAX_ENTRIES:
         return
-    nb = res.untyped_storage().nbytes()
-    if nb > KNOWN_MAX or res.storage_offset() or res.numel() * res.element_size() != nb \
-            or not res.is_contiguous():
-        return  # (the peer's bytes outside the result's layout are not the client's to know)
+    if res.untyped_storage().nbytes() > KNOWN_MAX:
+        return
     try:
         ca = [_on_cpu(a, known, s) for a in args]
         ck = {k: _on_cpu(v, known, s) for k, v in kwargs.items()} if kwargs else {}
@@ -83,11 +81,59 @@ def follow(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], res: torch.Te
             c = op(*ca, **ck)
     except Exception:  # noqa: BLE001 - what the CPU refuses, the peer judges (and the read asks it)
         return
-    if type(c) is not torch.Tensor or c.dtype is not res.dtype or c.shape != res.shape:
-        return
+    remember(res, c)
+
+
+def _covers(t: torch.Tensor, nbytes: int) -> bool:
+    """Does ``t`` (at offset 0) cover each of its storage's ``nbytes`` exactly once (contiguous in some order of its
+    dims: ``nonzero``'s column-major result too)?"""
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    return t.numel() * t.element_size() == nbytes == extent * t.element_size()
+
+
+def remember(res: torch.Tensor, c: Any) -> None:
+    """``res`` (a fresh ember result) holds ``c``'s values (a CPU tensor computed here): keep them when small."""
+    r = getattr(res.untyped_storage(), "_ember", None)
+    known = getattr(r.session, "known", None) if r is not None else None
+    nb = res.untyped_storage().nbytes()
+    if known is None or r.pending is not None or len(known) >= MAX_ENTRIES or res.dtype not in EXACT \
+            or nb > KNOWN_MAX or res.storage_offset() or not _covers(res, nb) or type(c) is not torch.Tensor \
+            or c.dtype is not res.dtype or c.shape != res.shape:
+        return  # (the peer's bytes outside the result's layout are not the client's to know)
     buf = torch.empty(nb, dtype=torch.uint8)
     torch.empty(0, dtype=res.dtype).set_(buf.untyped_storage(), 0, res.shape, res.stride()).copy_(c)
     known[r.sid] = buf
+
+
+#: Data-dependent overloads (by base name) whose output layout depends on the values of their integer or boolean
+#: operands only (a boolean mask's index of a float tensor): those known, the layout is computed here.
+SHAPED_BY_INDICES = frozenset({"index", "masked_select"})
+#: Largest storage of an unknown operand stood in for (uninitialised) by such a call's computation here.
+STAND_IN_MAX = 1 << 26
+
+
+def deciding_bytes(base: str, operands: list[torch.Tensor], session: Any) -> tuple[dict[int, Any], bool] | None:
+    """For a data-dependent call (``nonzero``, ``unique``, a boolean mask's index...) that writes and draws nothing:
+    ``id(storage)`` -> CPU bytes for every operand, when the values that decide its outputs' layout are known
+    (every integer or boolean operand; a float one only stands in, uninitialised, in :data:`SHAPED_BY_INDICES`),
+    and whether every operand is known (then the results' values are too); else None."""
+    known = getattr(session, "known", None)
+    if not known:
+        return None
+    bufs: dict[int, Any] = {}
+    every = True
+    for t in operands:
+        st = t.untyped_storage()
+        r = getattr(st, "_ember", None)
+        k = _bytes(known, r.sid) if r is not None and r.session is session else None
+        if k is not None and t.dtype in EXACT:
+            bufs[id(st)] = k
+        elif t.dtype in EXACT or base not in SHAPED_BY_INDICES or st.nbytes() > STAND_IN_MAX:
+            return None
+        else:
+            bufs.setdefault(id(st), torch.empty(st.nbytes(), dtype=torch.uint8))
+            every = False
+    return (bufs, every) if bufs else None
 
 
 def _on_cpu(a: Any, known: dict[int, Any], s: Any) -> Any:
@@ -141,4 +187,4 @@ def value(t: torch.Tensor, r: StorageRef) -> torch.Tensor | None:
     return v
 
 
-__all__ = ["EXACT", "KNOWN_MAX", "follow", "uploaded", "value", "exact"]
+__all__ = ["EXACT", "KNOWN_MAX", "follow", "uploaded", "value", "exact", "remember", "deciding_bytes"]

@@ -47,14 +47,28 @@ class Plan:
 def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: list[Any],
           layouts: list[Any]) -> Plan:
     """Run the overload on metas and describe its outputs (raises the op's own error for bad calls)."""
+    return _infer(i, values, operands, template, layouts, None)[0]
+
+
+def infer_on_cpu(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: list[Any],
+                 layouts: list[Any], bufs: dict[int, torch.Tensor]) -> tuple[Plan, list[Any]]:
+    """``infer`` by the overload itself on CPU tensors over ``bufs`` (``id(storage)`` -> its bytes, a CPU
+    ``uint8`` tensor), for a data-dependent call whose deciding operands the client knows; and the CPU results."""
+    return _infer(i, values, operands, template, layouts, bufs)
+
+
+def _infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: list[Any], layouts: list[Any],
+           bufs: dict[int, torch.Tensor] | None) -> tuple[Plan, list[Any]]:
+    on = "meta" if bufs is None else "cpu"
     bases: dict[int, torch.Tensor] = {}
     metas: list[torch.Tensor] = []
     for t in operands:
         st = t.untyped_storage()
         base = bases.get(id(st))
         if base is None:
-            base = bases[id(st)] = torch.empty((st.nbytes(),), dtype=torch.uint8, device="meta")
-        metas.append(torch.empty((0,), dtype=t.dtype, device="meta").set_(
+            base = bases[id(st)] = torch.empty((st.nbytes(),), dtype=torch.uint8, device="meta") if bufs is None \
+                else bufs[id(st)]
+        metas.append(torch.empty((0,), dtype=t.dtype, device=on).set_(
             base.untyped_storage(), t.storage_offset(), t.shape, t.stride()))
     it = iter(metas)
     mvalues = []
@@ -64,17 +78,17 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
         elif cat == A.TENSOR_LIST and v is not None:
             v = [next(it) if isinstance(x, torch.Tensor) else x for x in v]
         elif cat == A.DEVICE and v is not None:
-            v = torch.device("meta")
+            v = torch.device(on)
         mvalues.append(v)
     before = [(tuple(m.shape), tuple(m.stride()), m.storage_offset()) for m in metas]
     flag = _META_DIFFERS.get(i.base)
-    if flag is not None and any(n == flag and v for (n, *_r), v in zip(i.args, values)) or \
-            i.base in _META_DIFFERS_1D and operands and operands[0].dim() <= 1:
+    if bufs is None and (flag is not None and any(n == flag and v for (n, *_r), v in zip(i.args, values)) or
+                         i.base in _META_DIFFERS_1D and operands and operands[0].dim() <= 1):
         raise DataDependent(f"{i.name}: the meta kernel's shapes differ from the devices' here")
     evaluating = i.base in _EVAL_STATS and not any(n == "training" and v for (n, *_r), v in zip(i.args, values))
     if evaluating and any(i.writes):
         raise DataDependent(f"{i.name}: in evaluation the devices' saved statistics are empty")
-    own = _OWN_META.get(i.name)
+    own = _OWN_META.get(i.name) if bufs is None else None
     try:
         res = own(*mvalues) if own is not None else call(i, mvalues)
     except NotImplementedError as e:
@@ -141,7 +155,7 @@ def infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template: 
             layouts[k] = lay
             plan.grow.append((k, A.layout_extent(lay, _ITEMSIZE)))
     plan.kwargs = {"a": template, "l": layouts, "o": specs}
-    return plan
+    return plan, flat
 
 
 def _grouped_mm_meta(a: torch.Tensor, b: torch.Tensor, offs: Any = None, bias: Any = None,

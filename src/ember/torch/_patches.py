@@ -26,6 +26,7 @@ import torch
 
 from . import _devices as Dv
 from . import _dispatch as D
+from . import _known
 from . import _transfer as T
 from ._schema import bound, info
 from ._storage import StorageRef, layout_of, live_session, ref_of, ref_or_none, set_layout
@@ -98,7 +99,10 @@ def _on_its_device(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> An
             return T.upload(self if dtype in (None, self.dtype) else self.to(dtype), Dv.current_device())
         return op._op_dk(composite, self, *args, **kwargs)
     with ref_of(self).device:  # (the innermost `with dev:` is where factory ops run)
-        return op._op_dk(composite, self, *args, **kwargs)
+        res = op._op_dk(composite, self, *args, **kwargs)
+    if type(res) is torch.Tensor and res.dtype in _known.EXACT:  # (a known mask cast or cloned stays known)
+        _known.follow(op, (self, *args), kwargs, res)
+    return res
 
 
 def _plain_upload(self: torch.Tensor, kwargs: dict[str, Any]) -> bool:
@@ -153,6 +157,19 @@ def _copy(op: Any, dst: torch.Tensor, src: Any, non_blocking: bool = False) -> t
     return D.kernel_generic(torch.ops.aten.copy_.default, dst, src, non_blocking)
 
 
+def _foreach_copy_(op: Any, dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool = False) -> None:
+    """``torch._foreach_copy_``: one op when every tensor is on one Ember device; across devices (an EMA's CPU
+    copies restored: diffusers' ``EMAModel.restore``) a ``copy_`` per pair, as torch's slow path does on CUDA."""
+    refs = [ref_or_none(t) for t in (*dst, *src)]
+    if refs and all(r is not None and r.device is refs[0].device for r in refs):
+        return D.kernel_generic(op, dst, src, non_blocking)
+    if len(dst) != len(src):
+        raise RuntimeError(f"_foreach_copy_: tensor lists must have the same length, got {len(dst)} and {len(src)}")
+    for d, s in zip(dst, src):
+        d.copy_(s, non_blocking)
+    return None
+
+
 class _Special:
     """``S[op] = handler`` files the handler under the overload's identity (see ``_dispatch.SPECIAL``)."""
 
@@ -164,6 +181,7 @@ def _install_ops() -> None:
     S = _Special()
     for op in (aten.copy_.default, aten._copy_from.default):
         S[op] = _copy
+    S[aten._foreach_copy_.default] = _foreach_copy_
     S[aten._copy_from_and_resize.default] = lambda op, src, dst: (
         dst.resize_(src.shape), _copy(aten.copy_.default, dst, src))[1]
     S[aten._local_scalar_dense.default] = T.local_scalar
