@@ -231,6 +231,35 @@ def test_default_key_is_created_then_reused(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_two_running_peers_never_share_a_key(tmp_path: Path) -> None:
+    """A peer is its key, and iroh keeps one connection per peer id: two peers of one key were one address to
+    every client (the second's sessions opened on the first, a mesh of both ran inside one). A second peer on the
+    default key serves under a new one for its run, and says so; one given a key another peer holds exits."""
+    path = tmp_path / "cfg" / "secret.key"
+    env = {**ENV, "EMBER_KEY": str(path)}
+    a, info_a = start_serve("--offline", "--bind", "127.0.0.1:0", env=env)
+    try:
+        b, info_b = start_serve("--offline", "--bind", "127.0.0.1:0", env=env)
+        try:
+            assert "reused" in info_a["key-line"] or "created" in info_a["key-line"]
+            assert "new for this run" in info_b["key-line"] and "in use" in info_b["key-line"]
+            assert info_a["peer-id"] != info_b["peer-id"]
+            with ember.connect(info_a["ticket"]) as da, ember.connect(info_b["ticket"]) as db:
+                assert (da.peer_id, db.peer_id) == (info_a["peer-id"], info_b["peer-id"])
+                assert float(xp.sum(xp.ones(3, device=db))) == 3.0
+                da.close()
+                db.close()
+        finally:
+            stop(b)
+        r = subprocess.run([*CLI, "serve", "--offline", "--key", str(path)], capture_output=True, text=True,
+                           env=ENV, timeout=30)
+        assert r.returncode != 0 and "another running ember serve uses the secret key" in r.stderr
+        assert "ember keygen" in r.stderr and "Traceback" not in r.stderr
+    finally:
+        stop(a)
+
+
+@pytest.mark.timeout(120)
 def test_both_transports_at_once() -> None:
     p, info = start_serve("--websocket", "127.0.0.1:0")
     try:

@@ -38,6 +38,7 @@ BIND_CAUSES = (
     "address_not_available",
     "invalid_address",
     "invalid_key",
+    "key_in_use",
     "no_udp",
     "relay_unreachable",
     "other",

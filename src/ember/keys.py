@@ -19,13 +19,14 @@ import stat
 import sys
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 import iroh
 
 from ember.errors import BindError
 
 __all__ = ["generate_key", "load_key", "default_key_path", "peer_id_of", "load_or_create_key",
-           "key_file_problems", "new_key"]
+           "key_file_problems", "new_key", "claim_key"]
 
 _GEN_HINT = "create a new key with `ember keygen PATH` (or `--force` to replace it) and pass --key PATH"
 
@@ -140,3 +141,26 @@ def load_or_create_key(path: str | os.PathLike | None = None) -> tuple[bytes, Pa
         raise BindError(f"cannot create secret key file {p}: {e.strerror or e}",
                         cause="invalid_key",
                         hint="pass --key PATH to a writable location, or set EMBER_KEY") from None
+
+
+def claim_key(path: str | os.PathLike) -> Any:
+    """Hold ``path`` as the key of this process's peer: an open handle with an exclusive lock (``flock``) beside
+    the key (``<path>.lock``), kept while the returned object lives; None when another running peer holds it.
+    Two peers with one key are one address to every client (iroh keeps one connection per peer id): the second
+    would silently receive nothing. Where locks are not available (Windows), always a claim."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return True
+    lock = Path(path).expanduser()
+    lock = lock.with_name(lock.name + ".lock")
+    try:
+        f = open(lock, "a")  # noqa: SIM115 - held for the peer's lifetime
+    except OSError:
+        return True  # (a read-only key directory: nothing to lock, as before)
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f

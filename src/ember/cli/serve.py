@@ -9,7 +9,7 @@ import ssl
 import sys
 from typing import Any
 
-from ..errors import EmberError
+from ..errors import BindError, EmberError
 from ..server import Server
 from ..server.guard.limits import ClientLimits
 from ..server.guard.auth import all_of, allowlist_authorizer, peer_id, read_peer_list, read_secret_file, token_authorizer
@@ -170,21 +170,33 @@ def tls_context(cert: str, key: str | None) -> ssl.SSLContext:
 
 def add_iroh(server: Server, args: argparse.Namespace) -> Any:
     """Serve over iroh with the key, relay, offline and bind options; says which key it uses."""
-    from ..keys import load_key, load_or_create_key
+    from ..keys import claim_key, load_key, load_or_create_key, new_key
     from ..transport.iroh import configure_client
     from .identity import iroh_settings
 
     offline, relay, bind = iroh_settings(args)
     if args.key is not None:
         key, where = load_key(args.key), f"{args.key} (given)"
+        claim = claim_key(args.key)
+        if claim is None:
+            raise BindError(f"another running ember serve uses the secret key {args.key}: two peers with one key are "
+                            "one address to every client, and this one would receive nothing", cause="key_in_use",
+                            hint="give each peer its own key: `ember keygen PATH`, then --key PATH")
     else:
         key, path, created = load_or_create_key()
         where = f"{path} ({'created' if created else 'reused'})"
+        claim = claim_key(path)
+        if claim is None:  # (a second peer of this user on this machine: its own identity, for this run only)
+            key = new_key()
+            where = (f"new for this run: {path} is in use by another running ember serve (two peers with one key "
+                     "would be one address to every client); for a lasting identity: `ember keygen PATH`, --key PATH")
+    configure_client(offline=offline)  # downloads from other peers use the same mode
     configure_client(offline=offline)  # downloads from other peers use the same mode
     lst = server.listen_iroh(key=key, relay=relay, offline=offline, bind=bind,
                              require_relay=getattr(args, "require_relay", False),
                              discovery=not getattr(args, "no_discovery", False))
     server.iroh_listener, server.iroh_key_note = lst, where  # type: ignore[attr-defined]
+    server.iroh_key_claim = claim  # type: ignore[attr-defined]  # (held, locked, while the peer serves)
     return lst
 
 
