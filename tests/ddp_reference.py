@@ -3,7 +3,8 @@
 
 ``python tests/ddp_reference.py RANK WORLD PORT OUT STEPS``: trains :func:`make_mlp` on rank's shard
 of :func:`batches` with SGD; rank 0 saves the parameters (and the steps/s) to OUT. ``DDP_REFERENCE_MODEL=gpt``:
-a small GPT on token batches instead of the MLP (the process reads it at import, as the test does)."""
+a small GPT on token batches instead of the MLP (the process reads it at import, as the test does); ``bn``: an MLP
+with BatchNorm and an unused layer, SGD with weight decay. Every rank saves its buffers to OUT.buffersRANK."""
 
 from __future__ import annotations
 
@@ -58,11 +59,32 @@ class GPT(torch.nn.Module):
         return self.lm_head(self.ln_f(self.blocks(self.wte(idx) + self.wpe(pos))))
 
 
+class WithBatchNorm(torch.nn.Module):
+    """BatchNorm's running statistics (DDP broadcasts rank 0's before every forward) and a parameter the forward
+    never uses (DDP(find_unused_parameters=True) leaves its gradient None: weight decay does not move it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.b = torch.nn.Linear(DIM, HIDDEN), torch.nn.BatchNorm1d(HIDDEN), torch.nn.Linear(HIDDEN, OUT)
+        self.unused = torch.nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.bn(self.a(x))))
+
+
 def make_model(kind: str = MODEL) -> torch.nn.Module:
     if kind == "gpt":
         torch.manual_seed(0)
         return GPT()
+    if kind == "bn":
+        torch.manual_seed(0)
+        return WithBatchNorm()
     return make_mlp()
+
+
+def make_optimizer(params: object, kind: str = MODEL) -> torch.optim.Optimizer:
+    """SGD; with weight decay for the BatchNorm net (an unused parameter given a zero gradient would move)."""
+    return torch.optim.SGD(params, lr=0.1, weight_decay=0.1 if kind == "bn" else 0.0)  # type: ignore[arg-type]
 
 
 def batches(steps: int, batch: int = BATCH, kind: str = MODEL) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -85,9 +107,9 @@ def main(rank: int, world: int, port: int, out: str, steps: int, batch: int = BA
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    model = torch.nn.parallel.DistributedDataParallel(make_model())
+    model = torch.nn.parallel.DistributedDataParallel(make_model(), find_unused_parameters=MODEL == "bn")
     model.register_comm_hook(None, default_hooks.allreduce_hook)  # divide by world, then SUM
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = make_optimizer(model.parameters())
     data = batches(steps, batch)
     t0 = 0.0
     for i, (x, y) in enumerate(data):
@@ -101,6 +123,7 @@ def main(rank: int, world: int, port: int, out: str, steps: int, batch: int = BA
     rate = (steps - 1) / (time.perf_counter() - t0) if steps > 1 else 0.0
     if rank == 0:
         torch.save({"params": [p.detach().clone() for p in model.module.parameters()], "steps_per_s": rate}, out)
+    torch.save([b.detach().clone() for b in model.module.buffers()], f"{out}.buffers{rank}")
     dist.destroy_process_group()
 
 

@@ -1,10 +1,13 @@
 """``DataParallel(model)``: DistributedDataParallel's semantics for a model on a :class:`~.mesh.Mesh`.
 
-The parameters are broadcast from rank 0 once. During backward, each parameter's gradient,
+The parameters are broadcast from rank 0 once, the buffers (BatchNorm's running statistics) before every
+forward that follows a training forward outside ``no_sync``, as DDP's ``broadcast_buffers=True``. During backward, each parameter's gradient,
 once accumulated, marks its bucket ready (buckets of ``bucket_cap_mb``, the first one 1 MB,
 filled in reverse parameter order as DDP does); a ready bucket is flattened, divided by the
 world size and all-reduced (SUM, one coalesced collective per bucket) asynchronously on the peers
-while the rest of backward runs; at the end of backward every bucket is waited for. Each bucket keeps
+while the rest of backward runs; at the end of backward every bucket is waited for. A parameter this step did
+not use keeps no gradient (every peer runs the same program, so it is unused on every rank: DDP with
+``find_unused_parameters=True`` leaves its ``.grad`` None too, so weight decay does not move it). Each bucket keeps
 its async handle, so every step is the same ops and replays as one op graph on every peer.
 :meth:`DataParallel.no_sync` skips all of it (gradients accumulate locally) until a backward
 outside it. Everything is recorded once and runs on every peer (the client moves no gradient).
@@ -37,9 +40,12 @@ class _Bucket:
 class DataParallel(torch.nn.Module):
     """Wrap a module whose parameters live on a mesh: gradients are averaged over its peers."""
 
-    def __init__(self, module: torch.nn.Module, bucket_cap_mb: float = 25.0, broadcast: bool = True) -> None:
+    def __init__(self, module: torch.nn.Module, bucket_cap_mb: float = 25.0, broadcast: bool = True,
+                 broadcast_buffers: bool = True) -> None:
         super().__init__()
         self.module = module
+        self.broadcast_buffers = broadcast_buffers
+        self._buffers_next = True  # (DDP's require_forward_param_sync: the next forward broadcasts the buffers)
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("DataParallel needs a module with trainable parameters")
@@ -63,7 +69,14 @@ class DataParallel(torch.nn.Module):
             p.register_post_accumulate_grad_hook(self._ready)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        if self._buffers_next and self.broadcast_buffers:
+            bufs = [b for b in self.module.buffers() if b.is_contiguous()]
+            if bufs:
+                with torch.no_grad():
+                    self.mesh.broadcast(*bufs, src=0)
+        out = self.module(*args, **kwargs)
+        self._buffers_next = torch.is_grad_enabled() and self._sync
+        return out
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -90,11 +103,10 @@ class DataParallel(torch.nn.Module):
         """Divide the bucket's gradients by the world size, then all-reduce them as one coalesced
         collective (the peer flattens them, as DDP's bucket does), asynchronously."""
         with torch.no_grad():
-            grads = []
-            for p in b.params:
-                if p.grad is None:  # unused in this forward: contributes zeros, as DDP does
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
+            grads = [p.grad for p in b.params if p.grad is not None]  # (unused in this step: left None)
+            if not grads:
+                b.work = _DONE
+                return
             if all(g.is_contiguous() for g in grads):
                 torch._foreach_div_(grads, self.mesh.size)
                 b.work = self.mesh.all_reduce(*grads, async_op=True, handle=b.handle)
@@ -118,11 +130,20 @@ class DataParallel(torch.nn.Module):
                 off = 0
                 for p in b.params:
                     g = p.grad
-                    assert g is not None
+                    if g is None:
+                        continue
                     n = g.numel()
                     g.copy_(b.flat[off:off + n].view_as(g))
                     off += n
                 b.ready, b.flat, b.work = 0, None, None
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+_DONE: Any = _Done()  # a bucket none of whose parameters this step used: nothing to reduce
 
 
 def _assign(params: list[torch.nn.Parameter], cap: int) -> list[_Bucket]:
