@@ -65,7 +65,8 @@ class WithBatchNorm(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.bn, self.b = torch.nn.Linear(DIM, HIDDEN), torch.nn.BatchNorm1d(HIDDEN), torch.nn.Linear(HIDDEN, OUT)
+        self.a, self.bn = torch.nn.Linear(DIM, HIDDEN), torch.nn.BatchNorm1d(HIDDEN)
+        self.b = torch.nn.Linear(HIDDEN, OUT)
         self.unused = torch.nn.Linear(HIDDEN, OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

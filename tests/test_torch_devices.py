@@ -45,6 +45,46 @@ def test_tensors_remember_their_ember_device_and_mixing_two_raises(two_peers: li
         d.close()
 
 
+def _split_training(a: ember.Device | None, b: ember.Device | None, opt: str) -> tuple[list[float], list[torch.Tensor]]:
+    """A model whose first layer lives on ``a`` and second on ``b`` (None: CPU), one optimizer over both, the
+    gradients clipped over both: torch calls both Ember devices ember:0, grouping their tensors as one device's."""
+    torch.manual_seed(0)
+    l1, l2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+    x = torch.randn(5, 4)
+    if a is not None:
+        with a:
+            l1, x = l1.to("ember"), x.to("ember")
+        with b:
+            l2 = l2.to("ember")
+    params = [*l1.parameters(), *l2.parameters()]
+    o = torch.optim.AdamW(params, weight_decay=0.1) if opt == "AdamW" else torch.optim.SGD(params, 0.1, momentum=0.9)
+    norms = []
+    for _ in range(3):
+        h = torch.tanh(l1(x))
+        loss = l2(h if a is None else ember.torch.to_device(h, b)).pow(2).sum()
+        o.zero_grad()
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, 0.5)))
+        o.step()
+    return norms, [p.detach().cpu() for p in params]
+
+
+@pytest.mark.parametrize("opt", ["AdamW", "SGD"])
+def test_one_optimizer_and_clipping_over_a_model_split_across_two_devices_equal_cpu(two_peers: list[Server],
+                                                                                     opt: str) -> None:
+    """Each ``_foreach_*`` call over both devices runs as one call per device, and ``clip_grad_norm_``'s total
+    gathers the norms on the first tensor's device, as on CUDA with cuda:0 and cuda:1 (``_across_peers.py``);
+    they raised WrongDevice."""
+    a, b = ember.connect(two_peers[0].addresses[0], device=0), ember.connect(two_peers[1].addresses[0])
+    try:
+        got = _split_training(a, b, opt)
+    finally:
+        a.close()
+        b.close()
+    want = _split_training(None, None, opt)
+    assert got[0] == want[0] and all(torch.equal(g, w) for g, w in zip(got[1], want[1]))
+
+
 @pytest.mark.parametrize("route", ["same-peer", "peer-to-peer", "via-client", "embedded"])
 def test_to_device_moves_values_and_gradients(two_peers: list[Server], route: str) -> None:
     a = ember.connect(two_peers[0].addresses[0], device=0)

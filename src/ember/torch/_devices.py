@@ -89,9 +89,16 @@ def device_of(refs: list[StorageRef], i: OpInfo) -> Device:
     dev = refs[0].device
     for r in refs:
         if r.device is not dev:
-            raise WrongDevice(f"{i.name} mixes tensors of two Ember devices, {dev!r} and {r.device!r}",
-                              hint="move one with ember.torch.to_device(t, device)")
+            raise TwoDevices(f"{i.name} mixes tensors of two Ember devices, {dev!r} and {r.device!r}",
+                             hint="torch calls every Ember device ember:0, so a factory call (torch.arange(..., "
+                                  "device=x.device), torch.zeros(...)) makes its tensor on the current one: the "
+                                  "innermost `with dev:`, else the default device. Run each stage's code under "
+                                  "`with dev:`, or move a tensor with ember.torch.to_device(t, device)")
     return dev
+
+
+class TwoDevices(WrongDevice):
+    """A call's tensors live on two Ember devices (``_foreach_*`` calls are split by device instead)."""
 
 
 def materialize(r: StorageRef) -> None:

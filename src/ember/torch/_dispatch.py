@@ -25,7 +25,7 @@ from ..protocol import messages as m
 from . import _known, _meta
 from ._schema import OpInfo, bound, call, info
 from ._transfer import run_dynamic, upload
-from ._devices import WrongDevice, apply_seed, current_device, device_of, materialize
+from ._devices import TwoDevices, WrongDevice, apply_seed, current_device, device_of, materialize
 from ._storage import StorageRef, dtype_name, live_session, new_tensor, set_layout
 
 _OP = m.OP
@@ -212,7 +212,13 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _generic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     i = info(op)
-    res = _call(i, op, args, kwargs)
+    try:
+        res = _call(i, op, args, kwargs)
+    except TwoDevices:
+        if not i.base.startswith("_foreach_"):
+            raise
+        from ._across_peers import foreach_by_device
+        return foreach_by_device(i, args, kwargs)
     if i.exact and type(res) is _Tensor and res.dtype in _EXACT:  # (an integer result the client may know)
         _known.follow(op, args, kwargs, res)
     return res

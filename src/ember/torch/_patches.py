@@ -573,8 +573,9 @@ def install() -> list[Any]:
     _install_threads()
     _install_optimizer_defaults()
     _install_backward_thread()
-    from . import _checkpoint
+    from . import _across_peers, _checkpoint
     _checkpoint.install()
+    _across_peers.install_clip_grad()
     return [lib]
 
 

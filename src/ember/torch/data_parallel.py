@@ -1,15 +1,15 @@
 """``DataParallel(model)``: DistributedDataParallel's semantics for a model on a :class:`~.mesh.Mesh`.
 
-The parameters are broadcast from rank 0 once, the buffers (BatchNorm's running statistics) before every
-forward that follows a training forward outside ``no_sync``, as DDP's ``broadcast_buffers=True``. During backward, each parameter's gradient,
-once accumulated, marks its bucket ready (buckets of ``bucket_cap_mb``, the first one 1 MB,
-filled in reverse parameter order as DDP does); a ready bucket is flattened, divided by the
-world size and all-reduced (SUM, one coalesced collective per bucket) asynchronously on the peers
-while the rest of backward runs; at the end of backward every bucket is waited for. A parameter this step did
-not use keeps no gradient (every peer runs the same program, so it is unused on every rank: DDP with
-``find_unused_parameters=True`` leaves its ``.grad`` None too, so weight decay does not move it). Each bucket keeps
-its async handle, so every step is the same ops and replays as one op graph on every peer.
-:meth:`DataParallel.no_sync` skips all of it (gradients accumulate locally) until a backward
+The parameters are broadcast from rank 0 once; the buffers (BatchNorm's running statistics) before every
+forward that follows a training forward outside ``no_sync``, as DDP's ``broadcast_buffers=True``. In
+backward, each parameter's gradient, once accumulated, marks its bucket ready (buckets of
+``bucket_cap_mb``, the first one 1 MB, filled in reverse parameter order as DDP does); a ready bucket is
+flattened, divided by the world size and all-reduced (SUM, one coalesced collective per bucket)
+asynchronously on the peers while the rest of backward runs; at the end of backward every bucket is waited
+for. A parameter the step did not use keeps no gradient (every peer runs the same program, so it is unused
+on every rank: DDP with ``find_unused_parameters=True`` leaves its ``.grad`` None too, and weight decay does
+not move it). Each bucket keeps its async handle, so every step is the same ops and replays as one op graph
+on every peer. :meth:`DataParallel.no_sync` skips all of it (gradients accumulate locally) until a backward
 outside it. Everything is recorded once and runs on every peer (the client moves no gradient).
 """
 
