@@ -14,6 +14,8 @@ import os
 import threading
 from typing import Any
 
+import torch
+
 from ..client.device import Device
 from ..errors import EmberError
 from ..protocol import messages as m
@@ -79,6 +81,12 @@ def check_torch(dev: Device) -> None:
     raise NotATorchDevice(
         f"ember tensors need a torch device, and {dev!r} is a {kind} device ({dev.info.get('spec')})",
         hint="serve one with `ember serve --device torch:cpu` (or torch:cuda:N) and ember.connect to it")
+
+
+def cpu_peer(info: dict[str, Any]) -> bool:
+    """Is the device of ``info`` (``Device.info``) a torch CPU peer running this torch? (A kernel's workspace size,
+    a generator's state size, a data-dependent result's layout: this process's CPU torch's are the peer's.)"""
+    return info.get("spec") == "torch:cpu" and str(info.get("name", "")).split()[1:2] == [torch.__version__]
 
 
 def device_of(refs: list[StorageRef], i: OpInfo) -> Device:

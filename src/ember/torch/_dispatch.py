@@ -25,7 +25,7 @@ from ..protocol import messages as m
 from . import _known, _meta
 from ._schema import OpInfo, bound, call, info
 from ._transfer import run_dynamic, upload
-from ._devices import TwoDevices, WrongDevice, apply_seed, current_device, device_of, materialize
+from ._devices import TwoDevices, WrongDevice, apply_seed, cpu_peer, current_device, device_of, materialize
 from ._storage import StorageRef, dtype_name, live_session, new_tensor, set_layout
 
 _OP = m.OP
@@ -286,7 +286,7 @@ def _known_call(i: OpInfo, values: list[Any], operands: list[torch.Tensor], refs
         return _ASK
     s = refs[0].session
     got = _known.deciding_bytes(i.base, operands, s)
-    if got is None or not _on_cpu_peer(refs[0].device):
+    if got is None or not cpu_peer(refs[0].device.info):
         return _ASK
     try:
         plan, flat = _meta.infer_on_cpu(i, values, operands, template, layouts, got[0])
@@ -298,11 +298,6 @@ def _known_call(i: OpInfo, values: list[Any], operands: list[torch.Tensor], refs
             if isinstance(res, torch.Tensor):
                 _known.remember(res, c)
     return out
-
-
-def _on_cpu_peer(dev: Device) -> bool:
-    from ._internal import cpu_peer
-    return cpu_peer(dev.info)
 
 
 def _fast_walk(i: OpInfo, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[torch.Tensor], list[StorageRef],

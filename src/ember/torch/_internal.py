@@ -12,14 +12,8 @@ import torch
 
 from ..protocol import codec
 from . import _dispatch as D
-from ._devices import materialize
+from ._devices import cpu_peer, materialize
 from ._storage import StorageRef, dtype_name, live_session, new_tensor, ref_of
-
-
-def cpu_peer(info: dict[str, Any]) -> bool:
-    """Is the device of ``info`` (``Device.info``) a torch CPU peer running this torch? (A kernel's workspace size,
-    a generator's state size: this process's CPU torch's are the peer's.)"""
-    return info.get("spec") == "torch:cpu" and str(info.get("name", "")).split()[1:2] == [torch.__version__]
 
 
 def agreed(t: torch.Tensor, feature: str) -> bool:
