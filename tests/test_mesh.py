@@ -384,6 +384,8 @@ def test_a_killed_peer_is_named_within_the_group_timeout_and_the_survivor_carrie
                     loss_of(model, mesh.shard(x), mesh.shard(y)).backward()
                     mesh.mean(torch.ones(1, device="ember")).item()
             assert time.monotonic() - t0 < 5 + 15
+            with pytest.raises(MeshPeerLost, match="form a new one"):  # any later op: the mesh's kind and hint
+                model.module[0].weight * 2
         mesh.close()
         survivor = ember.connect(peers[0])
         with survivor:

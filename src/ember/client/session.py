@@ -426,7 +426,9 @@ class ClientSession(BulkData, LaneData, GroupHolding, FanOut, Exchanging, Knowin
             while True:
                 frame = await conn.recv()
                 if frame is None:
-                    raise SessionLost(f"peer {self.address} closed the session")
+                    raise SessionLost(f"peer {self.address} closed the session",
+                                      hint="the peer process ended or dropped this client (its log says why); "
+                                           "tensors do not survive their session: new work reconnects")
                 self._on_frame(frame)
                 self._reader_idle()
         except asyncio.CancelledError:

@@ -578,8 +578,10 @@ class TransferOps:
                 poison = Poison({"kind": "LimitExceeded", "op": "to_device", "message": e.message})
             else:
                 message = e.message if isinstance(e, EmberError) else f"{type(e).__name__}: {e}"
+                src = f" from {source[:72]}" if isinstance(source, str) else ""
                 poison = Poison({"kind": "TransferError", "op": "to_device",
-                                 "message": f"moving a tensor to {interp.backend.spec} failed: {message}"})
+                                 "message": f"moving a tensor{src} to this peer ({interp.backend.spec}) failed: "
+                                            f"{message} (did the source peer end?)"})
             interp._set_poison([tid], poison)
 
 

@@ -62,8 +62,12 @@ def ref_or_none(a: Any) -> StorageRef | None:
 
 def live_session(r: StorageRef) -> ClientSession:
     s = r.session
-    if s.lost is not None:
-        raise SessionLost(f"this tensor's session with {r.device.address} has ended: {s.lost.message}",
+    lost = s.lost
+    if lost is not None:
+        if type(lost) is not SessionLost and isinstance(lost, SessionLost):  # (a mesh's: its own kind and hint)
+            raise type(lost)(f"this tensor's session with {r.device.address} has ended: {lost.message}",
+                             hint=lost.hint)
+        raise SessionLost(f"this tensor's session with {r.device.address} has ended: {lost.message}",
                           hint="tensors do not survive their session; new work on the device reconnects")
     return s
 

@@ -41,6 +41,11 @@ class MeshPeerLost(SessionLost):
     """A peer of the mesh ended (killed, unreachable, or it left the collective): the mesh cannot go on."""
 
 
+_LOST_HINT = "a mesh does not survive a peer; form a new one with the peers left"
+#: How long a failed collective waits for each peer's answer to a ping before naming it lost.
+PROBE_S = 3.0
+
+
 class MeshError(ConnectError):
     """The mesh could not be formed: a peer offers no collectives, or two peers cannot reach each other."""
 
@@ -89,8 +94,7 @@ class MeshSession:
     def lost(self) -> EmberError | None:
         for name, s in zip(self.names, self.peers):
             if s.lost is not None:
-                return MeshPeerLost(f"mesh peer {name} is gone: {s.lost.message}",
-                                    hint="a mesh does not survive a peer; form a new one with the peers left")
+                return MeshPeerLost(f"mesh peer {name} is gone: {s.lost.message}", hint=_LOST_HINT)
         return None
 
     def _check(self) -> None:
@@ -173,9 +177,21 @@ class MeshSession:
     def _ask(self, s: ClientSession, kind: int, fields: Any, timeout: Any, progress: Any, nbytes: int) -> Any:
         try:
             return s.request(kind, *fields, timeout=timeout, progress=progress, nbytes=nbytes)
-        except EmberError:
+        except EmberError as e:
             self._check()  # a peer's end explains a failed collective better than its poison
+            if "torch.dist." in e.message:
+                self._probe(e)
             raise
+
+    def _probe(self, failed: EmberError) -> None:
+        """A collective failed (gloo saw a peer's connection reset) before this client learnt of a peer's end (over
+        iroh, its heartbeat takes seconds): a peer that does not answer a ping within PROBE_S is named as lost."""
+        for name, s in zip(self.names, self.peers):
+            try:
+                s.request(m.PING, timeout=PROBE_S)
+            except EmberError as e:
+                raise MeshPeerLost(f"mesh peer {name} is gone (it does not answer: {e.message}); a collective "
+                                   f"failed: {failed.message}", hint=_LOST_HINT) from failed
 
     def sync(self, timeout: float | None = None) -> None:
         self.request(m.SYNC, timeout=timeout)
