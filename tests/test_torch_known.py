@@ -168,3 +168,17 @@ def test_data_dependent_calls_on_known_operands_need_no_round_trip(torch_peer: s
         assert stats(dev) == (3, 2)
         f = torch.randn(5).to("ember")
         assert torch.equal((f > 0).nonzero().cpu(), (f > 0).nonzero().cpu())  # unknown: the peer is asked
+
+
+def test_an_uploaded_float_is_known_to_comparisons_only(torch_peer: str) -> None:
+    """IEEE comparisons (and NaN/inf tests) of uploaded floats are exact on every device: torchdiffeq compares its
+    solver's constant coefficients (``alpha_i == 1.``) every stage, a round trip each. Float arithmetic may round
+    otherwise from device to device: what it makes is never known, nor a cast of a float to an integer."""
+    c = torch.tensor([0.0, 0.2, 0.3, 1.0, float("nan")])
+    with ember.connect(torch_peer) as dev:
+        e = c.to("ember")
+        hits = [bool(e[i] == 1) for i in range(4)]
+        assert hits == [False, False, False, True] and bool(torch.isnan(e).any()) and not bool((e > 2).any())
+        assert float(e[1]) == float(c[1]) and stats(dev) == (7, 0)
+        assert float((e[:4] * 3).sum()) == float((c[:4] * 3).sum()) and stats(dev)[1] == 1  # (float arithmetic: asks)
+        assert int(e[:4].to(torch.int64).sum()) == 1 and stats(dev)[1] == 2  # (a float -> int cast: asks)

@@ -7,7 +7,8 @@ read used to be a round trip that waited for everything sent before it (the prev
 step), and a boundary that cut the step's op group in two.
 
 A storage is *known* when the client holds its exact bytes (``ClientSession.known``: id -> those bytes, as
-``bytes`` or, once used, a CPU ``uint8`` tensor): a small upload of integer or boolean data, or the dense
+``bytes`` or, once used, a CPU ``uint8`` tensor): a small upload of integer or boolean data (of float data too,
+for comparisons only: :data:`FLOAT_EXACT_OPS`), or the dense
 result of a call of an *exact* overload (``OpInfo.exact``: pointwise, or a creation, a reduction or a data
 movement whose integer result does not depend on the device, and that writes and draws nothing) with an
 integer or boolean result whose every tensor operand is known and integer or boolean. That call also runs
@@ -31,6 +32,14 @@ from ._storage import StorageRef
 
 #: dtypes whose arithmetic is exact on every device (the only ones known)
 EXACT = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+#: Float dtypes, known when uploaded small, for :data:`FLOAT_EXACT_OPS` only (float arithmetic may round otherwise
+#: from device to device; an IEEE comparison never does)
+FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+#: Overloads (by base name) whose boolean result from float operands is the same on every device: an uploaded float
+#: tensor is known for them (torchdiffeq compares its solver's constant coefficients, ``alpha == 1.``, every stage).
+FLOAT_EXACT_OPS = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "isposinf",
+                             "isneginf", "signbit", "logical_not", "logical_and", "logical_or", "logical_xor",
+                             "all", "any"})
 #: A known storage is at most this many bytes, and a session knows at most MAX_ENTRIES of them.
 KNOWN_MAX = 1 << 14
 MAX_ENTRIES = 1024
@@ -71,9 +80,10 @@ def follow(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], res: torch.Te
         return
     if res.untyped_storage().nbytes() > KNOWN_MAX:
         return
+    kinds = EXACT | FLOATS if getattr(op, "_opname", None) in FLOAT_EXACT_OPS else EXACT
     try:
-        ca = [_on_cpu(a, known, s) for a in args]
-        ck = {k: _on_cpu(v, known, s) for k, v in kwargs.items()} if kwargs else {}
+        ca = [_on_cpu(a, known, s, kinds) for a in args]
+        ck = {k: _on_cpu(v, known, s, kinds) for k, v in kwargs.items()} if kwargs else {}
     except _Unknown:
         return
     try:
@@ -136,24 +146,24 @@ def deciding_bytes(base: str, operands: list[torch.Tensor], session: Any) -> tup
     return (bufs, every) if bufs else None
 
 
-def _on_cpu(a: Any, known: dict[int, Any], s: Any) -> Any:
+def _on_cpu(a: Any, known: dict[int, Any], s: Any, kinds: frozenset[torch.dtype] = EXACT) -> Any:
     if isinstance(a, torch.Tensor):
         if a.device.type != "ember":
             return a  # (a 0-d CPU tensor mixed in, as ember's dispatch allows)
         r = getattr(a.untyped_storage(), "_ember", None)
-        k = _bytes(known, r.sid) if r is not None and r.session is s and a.dtype in EXACT else None
+        k = _bytes(known, r.sid) if r is not None and r.session is s and a.dtype in kinds else None
         if k is None:
             raise _Unknown
         return _view(k, a)
     if isinstance(a, (list, tuple)):
-        return type(a)(_on_cpu(x, known, s) for x in a)
+        return type(a)(_on_cpu(x, known, s, kinds) for x in a)
     if isinstance(a, torch.device) and a.type == "ember":
         return _CPU
     return a
 
 
 def uploaded(r: StorageRef, data: Any) -> None:
-    """A small integer or boolean upload is known: ``data``, its bytes as sent (a NumPy ``uint8`` view), kept
+    """A small upload (integer, boolean, or float for :data:`FLOAT_EXACT_OPS`) is known: ``data``, its bytes as sent (a NumPy ``uint8`` view), kept
     as ``bytes`` until a read or an op needs them as a tensor (:func:`_bytes`)."""
     known = getattr(r.session, "known", None)
     if known is not None and data.nbytes <= KNOWN_MAX and len(known) < MAX_ENTRIES:
@@ -187,4 +197,4 @@ def value(t: torch.Tensor, r: StorageRef) -> torch.Tensor | None:
     return v
 
 
-__all__ = ["EXACT", "KNOWN_MAX", "follow", "uploaded", "value", "exact", "remember", "deciding_bytes"]
+__all__ = ["EXACT", "FLOATS", "KNOWN_MAX", "follow", "uploaded", "value", "exact", "remember", "deciding_bytes"]

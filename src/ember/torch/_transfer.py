@@ -53,7 +53,7 @@ def upload(src: torch.Tensor, dev: Device) -> torch.Tensor:
     data = _bytes_of(host)
     sid = s.upload(data, None if nbytes <= m.INLINE_DATA else choose(None, nbytes))
     r = StorageRef(sid, s, dev)
-    if host.dtype in _known.EXACT:
+    if host.dtype in _known.EXACT or host.dtype in _known.FLOATS:
         _known.uploaded(r, data)
     return new_tensor(host.dtype, host.shape, host.stride(), 0, ref=r)
 
@@ -71,7 +71,7 @@ def copy_from_host(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     if _covers_storage(dst):
         data = _bytes_of(host)
         new = StorageRef(s.upload(data, choose(None, host.numel() * host.element_size())), s, r.device)
-        if host.dtype in _known.EXACT:
+        if host.dtype in _known.EXACT or host.dtype in _known.FLOATS:
             _known.uploaded(new, data)
         dst.untyped_storage()._ember = new  # the old id (if it ever existed) is dropped with its ref
         return dst
