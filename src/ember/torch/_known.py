@@ -163,8 +163,8 @@ def _on_cpu(a: Any, known: dict[int, Any], s: Any, kinds: frozenset[torch.dtype]
 
 
 def uploaded(r: StorageRef, data: Any) -> None:
-    """A small upload (integer, boolean, or float for :data:`FLOAT_EXACT_OPS`) is known: ``data``, its bytes as sent (a NumPy ``uint8`` view), kept
-    as ``bytes`` until a read or an op needs them as a tensor (:func:`_bytes`)."""
+    """A small upload (integer, boolean, or float for :data:`FLOAT_EXACT_OPS`) is known: ``data``, its bytes as
+    sent (a NumPy ``uint8`` view), kept as ``bytes`` until a read or an op needs them as a tensor (:func:`_bytes`)."""
     known = getattr(r.session, "known", None)
     if known is not None and data.nbytes <= KNOWN_MAX and len(known) < MAX_ENTRIES:
         known[r.sid] = data.tobytes()
