@@ -338,3 +338,33 @@ def test_foreach_copy_across_devices_copies_each_pair_as_torch_does() -> None:
         assert torch.equal(back[1], torch.full((2, 2), 2.0))
         torch._foreach_copy_(dst, [dst[0] * 3, dst[1] + 1])
         assert torch.equal(dst[0].cpu(), torch.full((3,), 3.0)) and torch.equal(dst[1].cpu(), torch.full((2, 2), 3.0))
+
+
+@torch.library.custom_op("embertest::sin", mutates_args=(), device_types="cpu")
+def _named_as_aten(x: torch.Tensor) -> torch.Tensor:
+    return torch.cos(x) * 2  # (not sin: an op outside ATen must never run as ATen's namesake)
+
+
+@torch.library.custom_op("embertest::keep_above", mutates_args=(), device_types="cpu")
+def _keep_above(x: torch.Tensor, t: float) -> torch.Tensor:
+    return (x > t).nonzero().squeeze(1)  # (a data-dependent shape, as torchvision's nms)
+
+
+@torch.library.custom_op("embertest::bump_", mutates_args=("x",), device_types="cpu")
+def _bump_(x: torch.Tensor) -> None:
+    x.add_(1)
+
+
+def test_an_op_outside_aten_runs_its_cpu_kernel_never_aten_s_namesake() -> None:
+    """A C++ extension's or torch.library custom op (torchvision's nms, roi_align) with a CPU kernel: its namespace
+    was dropped, so ``embertest::sin`` ran ``aten.sin`` on the peer, silently. It now runs by its CPU kernel on the
+    operands' values, the results uploaded; one that writes its arguments is refused at the call."""
+    x = torch.linspace(-1, 1, 7)
+    with ember.connect("local:torch"):
+        e = x.to("ember")
+        assert torch.equal(torch.ops.embertest.sin(e).cpu(), torch.cos(x) * 2)
+        kept = torch.ops.embertest.keep_above(e * 2, 0.5)
+        assert kept.device.type == "ember" and kept.tolist() == torch.ops.embertest.keep_above(x * 2, 0.5).tolist()
+        with pytest.raises(NotImplementedError, match="embertest.bump_.default writes its arguments"):
+            torch.ops.embertest.bump_(e)
+        assert torch.equal(e.cpu(), x)

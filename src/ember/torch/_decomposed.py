@@ -11,6 +11,9 @@
   performs); here they are what they compute, a ``clone``.
 * A CPU ``device=`` on a call among ember tensors (``zeros_like(t, device="cpu")``) runs on local
   torch, as on CUDA: ``*_like``/``new_*`` take only their operands' layouts, other ops read them.
+* An op outside ATen (a C++ extension's, torchvision's ``nms`` / ``roi_align``, a ``torch.library`` custom
+  op) has no kernel for ember, and a peer runs ATen's vetted ops only: it runs here, by its CPU kernel, on its
+  operands' values (a read each), its results uploaded to their device (:func:`run_foreign`).
 """
 
 from __future__ import annotations
@@ -73,6 +76,30 @@ def on_host(i: OpInfo, values: list[Any], device: torch.device) -> Any:
     return call(i, [host(v) for v in values])
 
 
+def run_foreign(i: OpInfo, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A non-ATen op on ember tensors: its CPU kernel on their values, the results on their Ember device
+    (bit-equal to local CPU, at a round trip per operand; its outputs' shapes may depend on the data: ``nms``)."""
+    from torch.utils._pytree import tree_flatten, tree_map
+    from ._devices import device_of
+    from ._storage import ref_or_none
+    if any(i.writes):
+        raise NotImplementedError(f"{i.name} writes its arguments and has no kernel for ember tensors (an op outside "
+                                  "ATen runs here on CPU only when it returns new tensors); call it on CPU tensors")
+    name = op.name()
+    if not any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k)
+               for k in ("CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd")):
+        raise NotImplementedError(f"{i.name} has no CPU kernel to run for ember tensors (an op outside ATen runs on "
+                                  "the client's CPU); call it on CPU tensors")
+    refs = [r for r in (ref_or_none(t) for t in tree_flatten((args, kwargs))[0]) if r is not None]
+    dev = device_of(refs, i)
+
+    def host(v: Any) -> Any:
+        return T.read(v) if isinstance(v, torch.Tensor) and v.device.type == "ember" else v
+
+    res = op(*tree_map(host, args), **tree_map(host, kwargs))
+    return tree_map(lambda v: T.upload(v, dev) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v, res)
+
+
 def install() -> None:
     for name in _DECOMPOSED:
         base, overload = name.split(".")
@@ -89,4 +116,4 @@ def install() -> None:
     D.on_host = on_host
 
 
-__all__ = ["install", "on_host"]
+__all__ = ["install", "on_host", "run_foreign"]

@@ -212,6 +212,9 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _generic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     i = info(op)
+    if i.foreign:
+        from ._decomposed import run_foreign
+        return run_foreign(i, op, args, kwargs)
     try:
         res = _call(i, op, args, kwargs)
     except TwoDevices:

@@ -28,14 +28,16 @@ class OpInfo:
     """One overload: its wire name, argument categories and the flags the dispatch path needs."""
 
     __slots__ = ("op", "name", "base", "args", "n_pos", "writes", "inplace_view", "seeded", "by_value",
-                 "alloc", "returns", "list_return", "refused", "pos_cats", "exact")
+                 "alloc", "returns", "list_return", "refused", "pos_cats", "exact", "foreign")
 
     def __init__(self, op: Any) -> None:
         self.op = op
         schema = op._schema
-        base = schema.name.split("::", 1)[1]
+        ns, base = schema.name.split("::", 1)
         self.base = base
-        self.name = f"aten.{base}.{schema.overload_name or 'default'}"
+        self.name = f"{ns}.{base}.{schema.overload_name or 'default'}"
+        #: an op outside ATen (a C++ extension's, torchvision's, a torch.library custom op): never sent to a peer
+        self.foreign = ns != "aten"
         self.args = [(a.name, A.category(str(a.real_type)), a.kwarg_only,
                       _default(a) if a.has_default_value() else _REQUIRED) for a in schema.arguments]
         self.n_pos = sum(1 for a in schema.arguments if not a.kwarg_only)
