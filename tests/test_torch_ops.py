@@ -368,3 +368,25 @@ def test_an_op_outside_aten_runs_its_cpu_kernel_never_aten_s_namesake() -> None:
         with pytest.raises(NotImplementedError, match="embertest.bump_.default writes its arguments"):
             torch.ops.embertest.bump_(e)
         assert torch.equal(e.cpu(), x)
+
+
+@pytest.mark.parametrize("make,shape", [
+    (lambda: torch.nn.BatchNorm1d(6), (8, 6)), (lambda: torch.nn.BatchNorm2d(3), (4, 3, 5, 5)),
+    (lambda: torch.nn.BatchNorm2d(3).eval(), (4, 3, 5, 5)),
+    (lambda: torch.nn.InstanceNorm2d(3, affine=True), (4, 3, 5, 5)),
+    (lambda: torch.nn.LayerNorm(6), (8, 6)), (lambda: torch.nn.Conv2d(3, 4, 3), (2, 3, 6, 6)),
+], ids=["bn1d", "bn2d", "bn2d-eval", "instancenorm", "layernorm", "conv"])
+def test_a_norm_whose_input_needs_no_gradient_trains_as_on_cpu(make: Any, shape: Any) -> None:
+    """A BatchNorm as a model's first layer, or after a frozen one: its backward is asked for no input gradient
+    (``output_mask[0]`` False) and CPU makes none, where torch's meta kernel types one: the peer failed ("Could
+    not infer dtype of NoneType") on every such backward."""
+    def grads(device: str) -> list[Any]:
+        torch.manual_seed(0)
+        m = make().to(device)
+        y = m(torch.randn(*shape).to(device))
+        (y * torch.arange(1.0, 1 + y.numel()).reshape(y.shape).to(device)).sum().backward()
+        return [p.grad.cpu() for p in m.parameters()]
+    want = grads("cpu")
+    with ember.connect("local:torch"):
+        got = grads("ember")
+    assert all(torch.equal(a, b) for a, b in zip(want, got))

@@ -107,6 +107,9 @@ def _infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template:
     elif isinstance(res, (tuple, list)):
         flat = list(res)
         plan.ret = "list" if isinstance(res, list) else "tuple"
+        mask = next((v for (n, *_r), v in zip(i.args, values) if n == "output_mask"), None)
+        if mask is not None and bufs is None:  # (a backward's unwanted gradients: the devices make none, where
+            flat = [None if k < len(mask) and not mask[k] else r for k, r in enumerate(flat)]  # BN's meta does)
     elif res is None:
         flat, plan.ret = [], "none"
     else:
