@@ -190,12 +190,15 @@ def test_a_non_capturable_adam_is_refused_with_a_hint(peer: ember.Device) -> Non
     assert step.why is not None
 
 
-def test_a_compiled_model_inside_a_captured_step_is_recorded_into_its_graph() -> None:
+@pytest.mark.parametrize("kind", ["sequential", "linear"])
+def test_a_compiled_model_inside_a_captured_step_is_recorded_into_its_graph(kind: str) -> None:
     """torch.compile's graphs (forward here, backward on autograd's device thread) re-record their ops
-    while a capture records, so the captured graph holds all of them: bit-equal to eager."""
+    while a capture records, so the captured graph holds all of them: bit-equal to eager. (A compiled
+    ``nn.Linear``: the capture's module hook asked ``bool()`` of it, which its ``len`` refuses, then Dynamo
+    traced the hook.)"""
     def run(captured: bool) -> tuple[list[float], list[Any]]:
         torch.manual_seed(0)
-        model = W.MLP(16, 32, 4).to("ember")
+        model = (W.MLP(16, 32, 4) if kind == "sequential" else torch.nn.Linear(16, 4)).to("ember")
         fwd = torch.compile(model, backend="ember")
         o = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
 

@@ -337,3 +337,14 @@ def test_a_graph_that_reads_a_value_while_it_runs_is_never_replayed() -> None:
             want = _segment_sums(x * 2, o) + 1
             assert torch.equal(f(x.to("ember"), o.to("ember")).cpu(), want), offs
         assert C.stats["replays"] == before["replays"]
+
+
+@pytest.mark.parametrize("kw", [{"mode": "reduce-overhead"}, {"mode": "max-autotune"},
+                                {"options": {"trace.enabled": False}}], ids=["reduce-overhead", "max-autotune", "options"])
+def test_inductor_s_modes_and_options_are_accepted_and_ignored(kw: dict[str, Any]) -> None:
+    """As ``aot_eager`` does (they raised TypeError inside the backend): every mode replays the recorded graph."""
+    torch._dynamo.reset()
+    with ember.connect("local:torch"):
+        m = torch.nn.Linear(4, 2).to("ember")
+        x = torch.randn(3, 4).to("ember")
+        assert torch.equal(torch.compile(m, backend="ember", **kw)(x).cpu(), m(x).cpu())

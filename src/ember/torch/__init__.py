@@ -47,11 +47,12 @@ from ._optstep import stats as optimizer_stats  # noqa: E402
 _install_optimizer_steps()  # an optimizer whose parameters are all on Ember replays its step (see _optstep)
 
 
-def compiler(gm: "torch.fx.GraphModule", example_inputs: list) -> "object":  # type: ignore[name-defined]
+def compiler(gm: "torch.fx.GraphModule", example_inputs: list,  # type: ignore[name-defined]
+             **options: object) -> "object":
     """The ``torch.compile`` backend (``backend="ember"``, or ``backend=ember.torch.compiler``):
     each compiled graph's ATen ops are recorded once per layout and replayed (:mod:`._compile`)."""
     from ._compile import compiler as compile_graph
-    return compile_graph(gm, example_inputs)
+    return compile_graph(gm, example_inputs, **options)
 
 __all__ = ["capture", "CaptureWarning", "capture_stats", "capture_optimizer_steps", "optimizer_stats", "mesh", "Mesh", "MeshError", "MeshPeerLost", "DataParallel", "compiler", "to_device", "device_of", "from_array", "to_array", "current_device", "counters", "NotATorchDevice",
            "WrongDevice", "UnsupportedTorch", "register"]

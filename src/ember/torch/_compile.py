@@ -307,8 +307,10 @@ def _key(args: tuple[Any, ...], refs: list[StorageRef | None], session: Any) -> 
     return tuple(parts)
 
 
-def compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """The Dynamo backend (``torch.compile(model, backend="ember")``, or pass this function)."""
+def compiler(gm: torch.fx.GraphModule, example_inputs: list[Any], **_options: Any) -> Callable[..., Any]:
+    """The Dynamo backend (``torch.compile(model, backend="ember")``, or pass this function). ``mode=`` and
+    ``options=`` (inductor's: ``"reduce-overhead"``'s CUDA graphs...) are accepted and ignored, as ``aot_eager``
+    does: every mode replays the recorded graph."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
