@@ -340,7 +340,8 @@ def test_a_graph_that_reads_a_value_while_it_runs_is_never_replayed() -> None:
 
 
 @pytest.mark.parametrize("kw", [{"mode": "reduce-overhead"}, {"mode": "max-autotune"},
-                                {"options": {"trace.enabled": False}}], ids=["reduce-overhead", "max-autotune", "options"])
+                                {"options": {"trace.enabled": False}}],
+                         ids=["reduce-overhead", "max-autotune", "options"])
 def test_inductor_s_modes_and_options_are_accepted_and_ignored(kw: dict[str, Any]) -> None:
     """As ``aot_eager`` does (they raised TypeError inside the backend): every mode replays the recorded graph."""
     torch._dynamo.reset()
