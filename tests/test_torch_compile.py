@@ -349,3 +349,26 @@ def test_inductor_s_modes_and_options_are_accepted_and_ignored(kw: dict[str, Any
         m = torch.nn.Linear(4, 2).to("ember")
         x = torch.randn(3, 4).to("ember")
         assert torch.equal(torch.compile(m, backend="ember", **kw)(x).cpu(), m(x).cpu())
+
+
+@pytest.mark.parametrize("opt", ["Adam", "AdamW", "SGD"])
+def test_a_compiled_optimizer_step_at_the_default_foreach_equals_cpu_s(opt: str) -> None:
+    """``torch.compile(opt.step)`` with ``foreach`` left None: ember's choice of path ran its own code in the
+    traced step (a graph break, then Adam's non-capturable path failed: "Expected scalars to be on CPU, got meta").
+    Compiled, ember takes CPU's single-tensor path, and equals CPU's aot_eager."""
+    def run(device: str, backend: str) -> list[Any]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 2).to(device)
+        o = getattr(torch.optim, opt)(m.parameters(), lr=1e-2, **({"momentum": 0.9} if opt == "SGD" else {}))
+        step = torch.compile(o.step, backend=backend)
+        x = torch.randn(3, 4)
+        for _ in range(4):
+            m(x.to(device)).pow(2).sum().backward()
+            step()
+            o.zero_grad()
+        return [p.detach().cpu() for p in m.parameters()]
+    want = run("cpu", "aot_eager")
+    with ember.connect("local:torch"):
+        got = run("ember", "ember")
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
