@@ -372,3 +372,32 @@ def test_a_compiled_optimizer_step_at_the_default_foreach_equals_cpu_s(opt: str)
     with ember.connect("local:torch"):
         got = run("ember", "ember")
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x: Any) -> Any:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_dynamic_shapes_through_attention_compile_one_graph() -> None:
+    """``dynamic=True`` over ``scaled_dot_product_attention``: asking the peer which kernel it takes made a
+    tensor of the traced sizes, which pinned them, so each new sequence length compiled a new graph (4-20 s each
+    for GPT-2, eager after 8). The stand-in now takes this call's sizes without a guard: one graph, equal to CPU."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    m = _Attention()
+    xs = [torch.randn(2, n, 16) for n in (8, 12, 16, 20)]
+    want = [m(x) for x in xs]
+    with ember.connect("local:torch"):
+        m.to("ember")
+        f = torch.compile(m, backend="ember", dynamic=True)
+        got = [f(x.to("ember")).cpu() for x in xs]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert counters["stats"]["unique_graphs"] == 1

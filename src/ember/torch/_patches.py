@@ -458,8 +458,10 @@ def _stand_in(t: Any) -> Any:
     from torch._subclasses.functional_tensor import FunctionalTensor, disable_functional_mode
     if not isinstance(t, (FakeTensor, FunctionalTensor)):
         return t
-    with disable_functional_mode(), unset_fake_temporarily():
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="ember")
+    from torch.fx.experimental.symbolic_shapes import optimization_hint as hint
+    size, stride = [hint(n) for n in t.shape], [hint(n) for n in t.stride()]  # (this call's sizes, no
+    with disable_functional_mode(), unset_fake_temporarily():  # guard on them: dynamic=True stays dynamic; CPU's
+        return torch.empty_strided(size, stride, dtype=t.dtype, device="ember")  # choice needs no exact size)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
