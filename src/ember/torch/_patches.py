@@ -549,10 +549,8 @@ def _install_optimizer_defaults() -> None:
 
         def default(params: Any, differentiable: bool, use_fused: bool = False, _orig: Any = orig,
                     _always: bool = name in always) -> Any:
-            if torch.compiler.is_compiling():  # (a compiled step, traced: CPU's choice, the single-tensor path,
-                if all(p.device.type == "ember" for p in params if p is not None):  # which the CPU peer's compiled
-                    return False, False  # step equals; ember's own code below would break the graph)
-                return _orig(params, differentiable, use_fused)
+            if torch.compiler.is_compiling():  # (a compiled step, traced: torch's choice, as in eager below for
+                return _orig(params, differentiable, use_fused)  # float32; ember's own code would break the graph)
             ps = [p for p in params if p is not None]
             refs = [ref_or_none(p) for p in ps]
             if refs and all(r is not None and r.device.info.get("spec") == "torch:cpu" for r in refs) and \
