@@ -182,3 +182,15 @@ def test_an_uploaded_float_is_known_to_comparisons_only(torch_peer: str) -> None
         assert float(e[1]) == float(c[1]) and stats(dev) == (7, 0)
         assert float((e[:4] * 3).sum()) == float((c[:4] * 3).sum()) and stats(dev)[1] == 1  # (float arithmetic: asks)
         assert int(e[:4].to(torch.int64).sum()) == 1 and stats(dev)[1] == 2  # (a float -> int cast: asks)
+
+
+def test_batch_norm_s_running_statistics_are_never_read_stale(torch_peer: str) -> None:
+    """``native_batch_norm`` updates its running statistics in place, which its schema does not mark: an uploaded
+    buffer (known to comparisons since floats are) must be forgotten by it, or its read would answer the upload."""
+    torch.manual_seed(0)
+    bn, x = torch.nn.BatchNorm1d(3), torch.randn(8, 3)
+    with ember.connect(torch_peer):
+        e = torch.nn.BatchNorm1d(3).to("ember")
+        e(x.to("ember"))
+        bn(x)
+        assert torch.equal(e.running_mean.cpu(), bn.running_mean) and bool((e.running_var != 1).all())
