@@ -114,6 +114,7 @@ def install() -> None:
         functional = getattr(aten, base).default
         D.SPECIAL[id(getattr(aten, base).out)] = lambda _op, *a, out, _f=functional, **k: _into(out, _f(*a, **k))
     D.on_host = on_host
+    D.run_foreign = run_foreign
 
 
 __all__ = ["install", "on_host", "run_foreign"]

@@ -15,6 +15,7 @@ without binding the schema or walking it (``counters["fast"]``); the first such 
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable
 
 import torch
@@ -43,7 +44,8 @@ _Tensor = torch.Tensor
 _NUMBER = (bool, int, float, complex)
 #: Ops handled by ``_patches`` instead of the generic path (id(op) -> handler).
 SPECIAL: dict[int, Callable[..., Any]] = {}
-counters = {"ops": 0, "messages": 0, "cache_misses": 0, "fast": 0}  # fast: calls that skipped bound and _walk
+#: fast: calls that skipped bound and _walk (a Counter: ``counters.clear()`` starts it over)
+counters = collections.Counter({"ops": 0, "messages": 0, "cache_misses": 0, "fast": 0})
 #: Set while ``ember.torch.capture`` records a step: told each call's operand and fresh storages.
 note: Callable[[list[StorageRef], list[StorageRef]], None] | None = None
 #: Set while an optimizer step is recorded or replayed (``_optstep``): it takes every call ``(op, args, kwargs)``.
@@ -203,6 +205,8 @@ class _OtherDevice(Exception):
 
 #: Runs a call whose device= is local (set by ``_decomposed``): (info, values, device) -> result.
 on_host: Callable[[OpInfo, list[Any], torch.device], Any] | None = None
+#: Runs an op outside ATen by its CPU kernel (set by ``_decomposed``): (info, op, args, kwargs) -> result.
+run_foreign: Callable[[OpInfo, Any, tuple[Any, ...], dict[str, Any]], Any] | None = None
 
 
 def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -213,7 +217,7 @@ def kernel_generic(op: Any, *args: Any, **kwargs: Any) -> Any:
 def _generic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     i = info(op)
     if i.foreign:
-        from ._decomposed import run_foreign
+        assert run_foreign is not None
         return run_foreign(i, op, args, kwargs)
     try:
         res = _call(i, op, args, kwargs)

@@ -47,9 +47,13 @@ MAX_ENTRIES = 1024
 EXACT_OPS = frozenset({
     "arange", "zeros", "ones", "full", "scalar_tensor", "zeros_like", "ones_like", "full_like", "eye", "tril", "triu",
     "cumsum", "cumprod", "sum", "prod", "all", "any", "amax", "amin", "max", "min", "count_nonzero",
-    "cat", "stack", "clone", "_to_copy", "contiguous", "repeat", "flip", "roll", "index_select", "gather",
+    "cat", "stack", "clone", "_to_copy", "contiguous", "repeat", "flip", "roll", "index_select", "gather", "index",
     "constant_pad_nd", "masked_fill", "where", "lift_fresh", "alias_copy",
+    "new_ones", "new_zeros", "new_full",
 })
+#: Of those, the ones that take only their operands' layouts and dtypes, not their values: an unknown operand
+#: stands in, uninitialised (a padding-mask check's ``mask.new_ones(())``).
+LAYOUT_ONLY_OPS = frozenset({"zeros_like", "ones_like", "full_like", "new_ones", "new_zeros", "new_full"})
 _CPU = torch.device("cpu")
 
 
@@ -80,10 +84,12 @@ def follow(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], res: torch.Te
         return
     if res.untyped_storage().nbytes() > KNOWN_MAX:
         return
-    kinds = EXACT | FLOATS if getattr(op, "_opname", None) in FLOAT_EXACT_OPS else EXACT
+    base = getattr(op, "_opname", None)
+    kinds = EXACT | FLOATS if base in FLOAT_EXACT_OPS else EXACT
+    layout_only = base in LAYOUT_ONLY_OPS
     try:
-        ca = [_on_cpu(a, known, s, kinds) for a in args]
-        ck = {k: _on_cpu(v, known, s, kinds) for k, v in kwargs.items()} if kwargs else {}
+        ca = [_on_cpu(a, known, s, kinds, layout_only) for a in args]
+        ck = {k: _on_cpu(v, known, s, kinds, layout_only) for k, v in kwargs.items()} if kwargs else {}
     except _Unknown:
         return
     try:
@@ -146,17 +152,20 @@ def deciding_bytes(base: str, operands: list[torch.Tensor], session: Any) -> tup
     return (bufs, every) if bufs else None
 
 
-def _on_cpu(a: Any, known: dict[int, Any], s: Any, kinds: frozenset[torch.dtype] = EXACT) -> Any:
+def _on_cpu(a: Any, known: dict[int, Any], s: Any, kinds: frozenset[torch.dtype] = EXACT,
+            layout_only: bool = False) -> Any:
     if isinstance(a, torch.Tensor):
         if a.device.type != "ember":
             return a  # (a 0-d CPU tensor mixed in, as ember's dispatch allows)
         r = getattr(a.untyped_storage(), "_ember", None)
         k = _bytes(known, r.sid) if r is not None and r.session is s and a.dtype in kinds else None
         if k is None:
+            if layout_only and a.numel() * a.element_size() <= KNOWN_MAX:
+                return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype)
             raise _Unknown
         return _view(k, a)
     if isinstance(a, (list, tuple)):
-        return type(a)(_on_cpu(x, known, s, kinds) for x in a)
+        return type(a)(_on_cpu(x, known, s, kinds, layout_only) for x in a)
     if isinstance(a, torch.device) and a.type == "ember":
         return _CPU
     return a
