@@ -194,3 +194,17 @@ def test_batch_norm_s_running_statistics_are_never_read_stale(torch_peer: str) -
         e(x.to("ember"))
         bn(x)
         assert torch.equal(e.running_mean.cpu(), bn.running_mean) and bool((e.running_var != 1).all())
+
+
+def test_a_padding_mask_check_asks_the_peer_nothing(torch_peer: str) -> None:
+    """transformers' sdpa mask check (``_ignore_causal_mask_sdpa``): the mask's columns by index, ``new_ones`` of
+    a tensor whose values are not known (only its layout matters), ``sum() == numel()``."""
+    am = torch.ones(2, 8, dtype=torch.long)
+    am[1, 6:] = 0
+    with ember.connect(torch_peer) as dev:
+        mask = am.to("ember").to(torch.bool)
+        cols = mask[:, torch.arange(8).to("ember")]
+        act = torch.randn(3, 4).to("ember") * 2  # (computed on the peer: not known)
+        one = act.new_ones((), dtype=torch.bool)
+        assert not bool(cols.sum() == cols.numel()) and bool(one) and bool(cols[0].all() & one)
+        assert stats(dev) == (3, 0)
