@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,23 +123,29 @@ def test_data_parallel_is_bit_equal_to_torch_ddp_over_gloo(peers, tmp_path):
     assert mean_loss == pytest.approx(sum(halves) / 2, rel=1e-5)  # the mean over the peers, not rank 0's
 
 
+def train_on_mesh(peers: list[str], kind: str, steps: int, after: Any = None) -> tuple[list[Any], Any]:
+    """DataParallel training of ``make_model(kind)`` on a mesh of ``peers``, as the DDP reference trains it: the
+    parameters, and what ``after(mesh, model)`` reads before the mesh closes."""
+    mesh = ember.torch.mesh(peers, timeout=30)
+    try:
+        with mesh:
+            model = DataParallel(make_model(kind).to("ember"))
+            opt = make_optimizer(model.parameters(), kind=kind)
+            for x, y in batches(steps, kind=kind):
+                opt.zero_grad()
+                loss_of(model, mesh.shard(x), mesh.shard(y), kind=kind).backward()
+                opt.step()
+            return [p.detach().cpu() for p in model.parameters()], after(mesh, model) if after else None
+    finally:
+        mesh.close()
+
+
 @pytest.mark.timeout(150)
 def test_a_small_gpt_is_bit_equal_to_torch_ddp_over_gloo(peers, tmp_path):
     steps = 4
     ref, out = reference(tmp_path, steps, "gpt")
-    mesh = ember.torch.mesh(peers, timeout=30)
-    try:
-        with mesh:
-            model = DataParallel(make_model("gpt").to("ember"))
-            assert model.module.wte.weight is model.module.lm_head.weight  # tied: one parameter
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            for x, y in batches(steps, kind="gpt"):
-                opt.zero_grad()
-                loss_of(model, mesh.shard(x), mesh.shard(y), kind="gpt").backward()
-                opt.step()
-            got = [p.detach().cpu() for p in model.parameters()]
-    finally:
-        mesh.close()
+    got, tied = train_on_mesh(peers, "gpt", steps, lambda _mesh, m: m.module.wte.weight is m.module.lm_head.weight)
+    assert tied  # one parameter
     want = reference_params(ref, out)
     assert len(got) == len(want)
     assert all(torch.equal(a, b) for a, b in zip(got, want)), max((a - b).abs().max().item() for a, b in zip(got, want))
@@ -152,20 +159,11 @@ def test_batch_norm_buffers_and_an_unused_parameter_are_as_under_torch_ddp(peers
     gradients were zeros."""
     steps = 4
     ref, out = reference(tmp_path, steps, "bn")
-    mesh = ember.torch.mesh(peers, timeout=30)
-    try:
-        with mesh:
-            model = DataParallel(make_model("bn").to("ember"))
-            opt = make_optimizer(model.parameters(), kind="bn")
-            for x, y in batches(steps, kind="bn"):
-                opt.zero_grad()
-                loss_of(model, mesh.shard(x), mesh.shard(y), kind="bn").backward()
-                opt.step()
-            got = [p.detach().cpu() for p in model.parameters()]
-            assert model.module.unused.weight.grad is None
-            bufs = [mesh.mean(b).cpu() for b in model.module.buffers() if b.is_floating_point()]
-    finally:
-        mesh.close()
+
+    def after(mesh: Any, model: Any) -> list[Any]:
+        assert model.module.unused.weight.grad is None
+        return [mesh.mean(b).cpu() for b in model.module.buffers() if b.is_floating_point()]
+    got, bufs = train_on_mesh(peers, "bn", steps, after)
     want = reference_params(ref, out)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     r0, r1 = (torch.load(f"{out}.buffers{r}") for r in range(2))
