@@ -403,3 +403,39 @@ def test_dynamic_shapes_through_attention_compile_one_graph() -> None:
         got = [f(x.to("ember")).cpu() for x in xs]
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert counters["stats"]["unique_graphs"] == 1
+
+
+class _WithConstant(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: Any) -> Any:
+        empty = torch.tensor([], dtype=x.dtype, device=x.device)  # (as Hugging Face's DynamicCache starts a layer)
+        return torch.cat([empty, self.lin(x).flatten()]).pow(2).sum()
+
+
+def test_a_graph_holding_a_tensor_constant_replays() -> None:
+    """A tensor made in the forward (``torch.tensor([])``: every Hugging Face model's default KV cache, in training
+    too) is a constant AOTAutograd lifts into the graph: a storage neither input nor fresh, so the graph ran op by
+    op on every call. The graph's constants are now named by the replay as its inputs are: equal to eager."""
+    def run(compiled: bool) -> tuple[list[float], list[Any]]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = _WithConstant().to("ember")
+        f = torch.compile(m, backend="ember") if compiled else m
+        o = torch.optim.SGD(m.parameters(), lr=0.01)
+        losses = []
+        for k in range(6):
+            loss = f(torch.full((4, 8), 0.1 * k).to("ember"))
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        return losses, [p.detach().cpu() for p in m.parameters()]
+    with ember.connect("local:torch"):
+        eager = run(False)
+        before = dict(C.stats)
+        compiled = run(True)
+    same(eager, compiled)
+    assert C.stats["eager"] == before["eager"] and C.stats["replays"] >= before["replays"] + 8

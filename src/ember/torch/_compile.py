@@ -30,6 +30,8 @@ point (``pip install`` registers it), or pass :func:`compiler` itself.
 
 from __future__ import annotations
 
+import operator
+
 import threading
 from typing import Any, Callable
 
@@ -194,8 +196,10 @@ class Replayer:
                 outputs.append(("kept", len(kept) - 1, *layout))
         used = {a for msg in msgs for a in msg[2][1:]}
         known = made | set(inputs) | {getattr(s, "_ember").sid for s in kept}
-        if used - known:  # a storage from outside the graph that is not an output: not ours to hold
-            return None
+        held = _constants(self.gm, session)
+        if not used - known <= held.keys():  # a storage from outside the graph, neither an output nor a constant
+            return None  # the graph holds: not ours to hold
+        kept.extend(held[sid] for sid in sorted(used - known))  # (the graph's constants: named by the replay)
         return _Trace(msgs, inputs, fresh, kept, outputs)
 
     def _replay(self, t: _Trace, args: tuple[Any, ...], refs: list[StorageRef | None], first: StorageRef) -> Any:
@@ -238,6 +242,20 @@ class Replayer:
                     session.release(sid)  # an intermediate: freed on the peer after the ops that use it
         stats["replays"] += 1
         return outs
+
+
+def _constants(gm: torch.fx.GraphModule, session: Any) -> dict[int, Any]:
+    """The ember tensors a graph holds as attributes (its ``get_attr`` nodes: a ``torch.tensor([])`` made in the
+    forward, as Hugging Face's KV cache makes, lifted by AOTAutograd), by storage id: a replay names their
+    storages as it names its inputs'. Without them such a graph ran op by op on every call."""
+    held: dict[int, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            v = operator.attrgetter(node.target)(gm)
+            r = ref_or_none(v)
+            if r is not None and r.pending is None and r.session is session:
+                held[r.sid] = v.untyped_storage()
+    return held
 
 
 def _joining(t: _Trace, session: Any) -> bool:
