@@ -475,3 +475,34 @@ def test_a_captured_step_records_again_when_a_module_changes(change: Callable[[A
         assert ember.torch.capture_stats["replays"] > before["replays"]  # (it did replay before the change)
     for a, b, c in zip(want, eager, got):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_a_step_that_checks_a_known_mask_is_captured_and_a_written_input_is_forgotten() -> None:
+    """A Hugging Face step checks its attention mask (``mask.to(torch.bool)``, ``sum() == numel()``): values the
+    client knows, so the step is captured; a replay forgets only the inputs its ops may write (the mask stays
+    known for the next recording), and an input it writes (a step counter) is read from the peer afterwards."""
+    torch.manual_seed(0)
+    with ember.connect("local:torch") as dev:
+        lin = nn.Linear(4, 2).to("ember")
+        o = torch.optim.SGD(lin.parameters(), lr=0.1)
+        count = torch.zeros((), dtype=torch.long).to("ember")
+
+        def step(x: Any, mask: Any, count: Any) -> Any:
+            m = mask.to(torch.bool)
+            full = bool(m.sum() == m.numel())  # (transformers' fast_all: known, no round trip)
+            loss = (lin(x) * (1.0 if full else 0.5)).pow(2).sum()
+            loss.backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+            count.add_(1)
+            return loss
+        run = ember.torch.capture(step)
+        x = torch.randn(3, 4).to("ember")
+        mask = torch.tensor([[1, 1, 0]]).to("ember")
+        before = dict(C.stats)
+        for _ in range(5):
+            run(x, mask, count)
+        assert C.stats["replays"] >= before["replays"] + 2 and C.stats["eager"] == before["eager"]
+        reads = dev.session.stats["reads"]
+        assert int(count) == 5 and dev.session.stats["reads"] == reads + 1  # (written by the replays: asked)
+        assert bool(mask.to(torch.bool).any()) and dev.session.stats["reads"] == reads + 1  # (read only: known)

@@ -268,11 +268,13 @@ def graph_id(key: bytes) -> int:
 class GraphEntry:
     """A graph this client registered (or will): its id, structure and wire body."""
 
-    __slots__ = ("gid", "key", "defaults", "wire", "offsets")
+    __slots__ = ("gid", "key", "defaults", "wire", "offsets", "shape", "written")
 
     def __init__(self, gid: int, key: bytes, c: Canon) -> None:
         self.gid = gid
         self.key = key
+        self.shape = c.shape
+        self.written: frozenset[int] | None = None  # the inputs its ops may write (ClientSession.replay_graph)
         self.defaults = c.scalars
         body, kept = c.wire_body()
         self.wire = [m.GRAPH, gid, c.n_in, c.scalars, body, kept, c.consumed]
@@ -288,6 +290,21 @@ class GraphEntry:
         """A REPLAY's ``offsets`` (``[index, offset, ...]`` for each that differs from the registered one), or
         None for a graph that moves no layout."""
         return _changes(offsets, self.offsets) if self.offsets else None
+
+
+def written_inputs(shape: list[list[Any]], op_writes: Any, op_written: Any) -> frozenset[int]:
+    """The inputs (by index) a graph's ops may write: every input an op names, unless the frontend says the op
+    writes none of its arguments (``op_writes``) or which (``op_written``: its count of ids and their positions)."""
+    written: set[int] = set()
+    for name, smask, refs, _n in shape:
+        if op_writes is not None and op_writes(name) is False:
+            continue
+        ids = [r for j, r in enumerate(refs) if not smask >> j & 1]
+        exact = op_written(name) if op_written is not None else None
+        if exact is not None and exact[0] == len(ids):
+            ids = [ids[k] for k in exact[1]]
+        written.update(~r for r in ids if r is not None and r < 0)
+    return frozenset(written)
 
 
 def _changes(values: list[Any], registered: list[Any]) -> list[Any]:

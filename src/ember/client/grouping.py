@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from ..protocol import messages as m
-from .graph import Candidate, canon
+from .graph import Candidate, canon, written_inputs
 
 
 #: a held group that a read at its end waits for goes out in about CHUNKS chunks of at least CHUNK_MIN ops
@@ -401,8 +401,11 @@ class GroupHolding:
         ``overrides``: ``e.overrides(scalars)`` for the scalars this replay runs with."""
         if self.lost is not None:
             raise self._lost_error()
-        if self.known:  # (what the graph writes: its inputs and the held ids it replaces, at most)
-            self._unknow([m.REPLAY, inputs, outs])
+        if self.known:  # (what the graph writes: the inputs its ops may write, and the held ids it replaces)
+            w = e.written
+            if w is None:
+                w = e.written = written_inputs(e.shape, self.op_writes, self.op_written)
+            self._unknow([m.REPLAY, [x for k, x in enumerate(inputs) if k in w], outs])
         with self._lock:
             self._boundary_locked()
             p = self._append_replay(e, n_ops, inputs, outs, overrides)
