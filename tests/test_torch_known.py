@@ -208,3 +208,14 @@ def test_a_padding_mask_check_asks_the_peer_nothing(torch_peer: str) -> None:
         one = act.new_ones((), dtype=torch.bool)
         assert not bool(cols.sum() == cols.numel()) and bool(one) and bool(cols[0].all() & one)
         assert stats(dev) == (3, 0)
+
+
+def test_an_upload_forgets_its_own_id_only(torch_peer: str) -> None:
+    """An upload's message carries its shape and size as integers: they were taken for ids and forgotten (a mask
+    known before a step stopped being known when the step's labels were uploaded)."""
+    from ember.torch._storage import ref_of
+    with ember.connect(torch_peer) as dev:
+        a = torch.arange(5).to("ember")
+        sid = ref_of(a).sid
+        torch.zeros(sid, dtype=torch.uint8).to("ember")  # (its shape and byte count both equal a's id)
+        assert int(a.sum()) == 10 and stats(dev) == (1, 0)

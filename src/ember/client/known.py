@@ -50,6 +50,9 @@ class Knowing:
             return
         if kind in READS_ONLY:
             return
+        if kind == m.UPLOAD:  # (a new id; its other fields are a shape, an offset, a size: not ids)
+            known.pop(msg[1], None)
+            return
         for f in msg[1:]:
             if type(f) is int:
                 known.pop(f, None)
