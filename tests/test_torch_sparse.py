@@ -233,3 +233,17 @@ def test_a_hostile_sparse_add_is_refused_by_the_peer_and_the_session_goes_on(cha
         with edit_next_op(change, only="torch.sparse_add"), pytest.raises(RemoteExecutionError, match=words):
             (d + s).cpu()
         assert torch.equal((d + s).cpu(), _dense()[:, :, 0] + _matrix())
+
+
+def test_a_sparse_tensor_scaled_or_copied_in_place_equals_cpu(where: None) -> None:
+    """``sparse.mul_(number)``, ``torch._foreach_mul_`` over sparse tensors (its ``mul.out`` passes the number first)
+    and ``sparse.copy_(sparse)``: values scaled, indices and values copied, as CPU does."""
+    want, got = _uncoalesced(), _uncoalesced().to("ember")
+    want.mul_(0.5)
+    got.mul_(0.5)
+    torch._foreach_mul_([want], 0.9)
+    torch._foreach_mul_([got], 0.9)
+    _same(want, got)
+    dst = _dense().to("ember").to_sparse(2)
+    dst.copy_(got)
+    _same(want, dst)

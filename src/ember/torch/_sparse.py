@@ -32,7 +32,8 @@ _META = torch._C.DispatchKeySet(torch._C.DispatchKey.SparseMeta)
 #: Ops whose SparseMeta kernel only reads or sets the impl's fields: right for any device.
 FIELD_OPS = ("_indices", "_values", "_nnz", "sparse_dim", "dense_dim", "is_coalesced", "_coalesced_",
              "_dimV", "indices", "values", "_sparse_coo_tensor_with_dims_and_tensors",
-             "_sparse_coo_tensor_with_dims", "sparse_resize_", "sparse_resize_and_clear_")
+             "_sparse_coo_tensor_with_dims", "sparse_resize_", "sparse_resize_and_clear_",
+             "copy_sparse_to_sparse_")  # (its indices and values copied by dense ember ops)
 
 
 def _fields(name: str) -> Any:
@@ -147,11 +148,30 @@ def sub(a: torch.Tensor, b: Any, *, alpha: Any = 1) -> torch.Tensor:
 
 def add_(a: torch.Tensor, b: Any, *, alpha: Any = 1) -> torch.Tensor:
     """``dense.add_(sparse, alpha=...)``: every optimizer's step on a sparse gradient (SGD, Adagrad, SparseAdam on
-    ``nn.Embedding(sparse=True)``), by CPU's own kernel on the peer, then copied into ``a``."""
+    ``nn.Embedding(sparse=True)``), by CPU's own kernel on the peer, then copied into ``a``. (A sparse tensor added
+    to in place -- SGD's momentum buffer on a sparse gradient -- is not held: CPU merges two coalesced operands'
+    duplicates where ``add`` concatenates, 2e-7 apart.)"""
     if a.is_sparse or not isinstance(b, torch.Tensor):
-        raise NotImplementedError("aten.add_ on ember: a sparse tensor added in place is not held (dense.add_(sparse) "
-                                  "is); use a = a + b")
+        raise NotImplementedError("aten.add_ on ember: a sparse tensor added to in place is not held (dense.add_("
+                                  "sparse) is; SGD with momentum on sparse gradients is not); use a = a + b")
     return a.copy_(_dense_plus_sparse("add_", a, b, alpha))
+
+
+def mul_(a: torch.Tensor, b: Any) -> torch.Tensor:
+    """``sparse.mul_(number or dense)`` (SGD's momentum buffer on a sparse gradient): ``mul``, copied into ``a``."""
+    return a.copy_(mul(a, b))
+
+
+def mul_out(a: Any, b: Any, *, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(mul(a, b))
+
+
+def copy_(a: torch.Tensor, b: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """A sparse tensor's indices and values replaced by copies of another's (torch's ``copy_sparse_to_sparse_``)."""
+    if not (a.is_sparse and b.is_sparse):
+        raise NotImplementedError("aten.copy_ on ember: a sparse tensor copied from a dense one (or back) is not "
+                                  "held; use .to_sparse() / .to_dense()")
+    return aten.copy_sparse_to_sparse_.default(a, b, non_blocking)
 
 
 def sub_(a: torch.Tensor, b: Any, *, alpha: Any = 1) -> torch.Tensor:
@@ -174,7 +194,7 @@ def _dense_plus_sparse(op: str, a: torch.Tensor, b: torch.Tensor, alpha: Any) ->
 
 
 def mul(a: Any, b: Any) -> torch.Tensor:
-    if isinstance(a, torch.Tensor) and not a.is_sparse:
+    if not (isinstance(a, torch.Tensor) and a.is_sparse):  # (a dense tensor or a number first: foreach's mul.out)
         a, b = b, a
     if isinstance(b, torch.Tensor) and b.is_sparse:
         raise NotImplementedError("aten.mul on ember: sparse * sparse is not held (sparse * dense is); "
@@ -243,7 +263,7 @@ def _sparse_dense(op: str, a: torch.Tensor, b: torch.Tensor, add: Any = None) ->
 #: ATen name -> kernel for sparse ember operands (SparsePrivateUse1).
 SPARSE_KERNELS = {"_to_dense": to_dense, "_coalesce": coalesce, "clone": clone, "neg": neg,
                   "add.Tensor": add, "sub.Tensor": sub, "add_.Tensor": add_, "sub_.Tensor": sub_,
-                  "mul.Tensor": mul, "sum": sum_all,
+                  "mul.Tensor": mul, "mul_.Tensor": mul_, "mul.out": mul_out, "copy_": copy_, "sum": sum_all,
                   "sparse_mask": sparse_mask, "t": t, "mm": mm, "addmm": addmm, "_sparse_addmm": addmm}
 #: ATen name -> kernel for a dense ember operand making a sparse tensor (PrivateUse1).
 DENSE_KERNELS = {"_to_sparse": to_sparse_layout, "_to_sparse.sparse_dim": to_sparse_dim}
