@@ -49,6 +49,16 @@ def train(device: str, name: str, backend: str | None, steps: int = 4, reseed_at
     return losses, [p.detach().cpu() for p in model.parameters()]
 
 
+def _eager_then_compiled(run: Callable[[bool], Any]) -> dict[str, int]:
+    """``run(False)`` then ``run(True)`` on the embedded peer, bit-equal; the compile stats between the two."""
+    with ember.connect("local:torch"):
+        eager = run(False)
+        before = dict(C.stats)
+        compiled = run(True)
+    same(eager, compiled)
+    return before
+
+
 def same(a: Any, b: Any) -> None:
     assert a[0] == b[0], f"losses differ: {a[0]} vs {b[0]}"
     for p, q in zip(a[1], b[1]):
@@ -169,11 +179,7 @@ def test_a_compiled_optimizer_step_keeps_its_writes_in_the_graph_and_replays() -
             stepper()
             losses.append(loss.item())
         return losses, [p.detach().cpu() for p in model.parameters()]
-    with ember.connect("local:torch"):
-        eager = run(False)
-        before = dict(C.stats)
-        compiled = run(True)
-    same(eager, compiled)
+    before = _eager_then_compiled(run)
     assert C.stats["replays"] >= before["replays"] + 8
 
 
@@ -433,9 +439,5 @@ def test_a_graph_holding_a_tensor_constant_replays() -> None:
             o.zero_grad()
             losses.append(loss.item())
         return losses, [p.detach().cpu() for p in m.parameters()]
-    with ember.connect("local:torch"):
-        eager = run(False)
-        before = dict(C.stats)
-        compiled = run(True)
-    same(eager, compiled)
+    before = _eager_then_compiled(run)
     assert C.stats["eager"] == before["eager"] and C.stats["replays"] >= before["replays"] + 8
