@@ -84,6 +84,19 @@ def train(name: str, captured: bool, steps: int = 100, batches: Callable[[int], 
     return losses, [p.detach().cpu() for p in [*model.parameters(), *model.buffers()]]
 
 
+def _training_step(forward: Callable[[Any], Any], opt: Any, loss_fn: Callable[[Any, Any], Any] = F.cross_entropy
+                   ) -> Callable[[Any, Any], Any]:
+    """The step these tests run, eagerly or captured: gradients cleared, the loss of ``forward(x)``, backward, the
+    optimizer's step; the loss returned."""
+    def step(x: Any, y: Any) -> Any:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(forward(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
 def same(a: Any, b: Any) -> None:
     assert a[0] == b[0], f"losses differ: {a[0]} vs {b[0]}"
     assert len(a[1]) == len(b[1])
@@ -125,13 +138,7 @@ def test_messages_per_replayed_step_do_not_grow_with_the_model(tcp_peer: str) ->
             model = make().to("ember")
             o = opt(model.parameters())
 
-            @ember.torch.capture
-            def step(x: Any, y: Any) -> Any:
-                o.zero_grad(set_to_none=True)
-                loss = loss_fn(model(x), y)
-                loss.backward()
-                o.step()
-                return loss
+            step = ember.torch.capture(_training_step(model, o, loss_fn))
             x, y = (t.to("ember") for t in batch(torch.Generator().manual_seed(0)))
             for _ in range(4):
                 step(x, y)
@@ -202,12 +209,7 @@ def test_a_compiled_model_inside_a_captured_step_is_recorded_into_its_graph(kind
         fwd = torch.compile(model, backend="ember")
         o = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
 
-        def step(x: Any, y: Any) -> Any:
-            o.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(fwd(x), y)
-            loss.backward()
-            o.step()
-            return loss
+        step = _training_step(fwd, o)
         run_step = ember.torch.capture(step) if captured else step
         g = torch.Generator().manual_seed(0)
         losses = []
@@ -278,12 +280,7 @@ def test_a_schedule_on_a_tensor_learning_rate_replays_without_recording_again(pe
         o = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, device="ember"), capturable=True)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=30)
 
-        def step(x: Any, y: Any) -> Any:
-            o.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            o.step()
-            return loss
+        step = _training_step(model, o)
         run_step = ember.torch.capture(step) if captured else step
         g = torch.Generator().manual_seed(0)
         losses = []
@@ -438,12 +435,7 @@ def _changed_between_steps(device: str, captured: bool, change: Callable[[Any], 
     m = _Net().to(device)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
 
-    def step(x: Any, y: Any) -> Any:
-        opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(m(x), y)
-        loss.backward()
-        opt.step()
-        return loss
+    step = _training_step(m, opt)
     run = ember.torch.capture(step) if captured else step
     g = torch.Generator().manual_seed(1)
     losses = []

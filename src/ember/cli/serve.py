@@ -191,7 +191,6 @@ def add_iroh(server: Server, args: argparse.Namespace) -> Any:
             where = (f"new for this run: {path} is in use by another running ember serve (two peers with one key "
                      "would be one address to every client); for a lasting identity: `ember keygen PATH`, --key PATH")
     configure_client(offline=offline)  # downloads from other peers use the same mode
-    configure_client(offline=offline)  # downloads from other peers use the same mode
     lst = server.listen_iroh(key=key, relay=relay, offline=offline, bind=bind,
                              require_relay=getattr(args, "require_relay", False),
                              discovery=not getattr(args, "no_discovery", False))

@@ -59,6 +59,7 @@ from typing import Any
 
 from ..protocol import codec
 from ..protocol import messages as m
+from .known import written_args
 
 _MASK63 = (1 << 63) - 1
 
@@ -293,18 +294,10 @@ class GraphEntry:
 
 
 def written_inputs(shape: list[list[Any]], op_writes: Any, op_written: Any) -> frozenset[int]:
-    """The inputs (by index) a graph's ops may write: every input an op names, unless the frontend says the op
-    writes none of its arguments (``op_writes``) or which (``op_written``: its count of ids and their positions)."""
-    written: set[int] = set()
-    for name, smask, refs, _n in shape:
-        if op_writes is not None and op_writes(name) is False:
-            continue
-        ids = [r for j, r in enumerate(refs) if not smask >> j & 1]
-        exact = op_written(name) if op_written is not None else None
-        if exact is not None and exact[0] == len(ids):
-            ids = [ids[k] for k in exact[1]]
-        written.update(~r for r in ids if r is not None and r < 0)
-    return frozenset(written)
+    """The inputs (by index) a graph's ops may write (:func:`.known.written_args` of each op over its canonical
+    references: an input is ``~index``)."""
+    return frozenset(~r for name, smask, refs, _n in shape
+                     for r in written_args(name, refs, smask, op_writes, op_written) if r < 0)
 
 
 def _changes(values: list[Any], registered: list[Any]) -> list[Any]:

@@ -18,6 +18,20 @@ from ..protocol import messages as m
 READS_ONLY = frozenset({m.READ, m.SYNC, m.SHAPE, m.PING, m.STATS})
 
 
+def written_args(name: str, args: list[Any], smask: int, op_writes: Any, op_written: Any) -> list[Any]:
+    """The id arguments (those ``smask`` does not mark as scalars) an ``OP`` of ``name`` may write: none when the
+    frontend says it writes none (``op_writes``), those it names when it says which (``op_written``: how many ids
+    its call names and the positions of the written ones, used only when the count agrees: no operand left out or
+    added), else all."""
+    if op_writes is not None and op_writes(name) is False:
+        return []
+    ids = [a for j, a in enumerate(args) if not smask >> j & 1]
+    exact = op_written(name) if op_written is not None else None
+    if exact is not None and exact[0] == len(ids):
+        return [ids[k] for k in exact[1]]
+    return ids
+
+
 class Knowing:
     """Forgetting known ids (a mixin of ClientSession, which holds ``known`` and ``op_writes``)."""
 
@@ -40,13 +54,9 @@ class Knowing:
             if w is not None and w(msg[1]) is False:
                 self.pure.add(msg[1])
                 return
-            smask = msg[3]
-            ids = [a for j, a in enumerate(msg[2]) if not smask >> j & 1 and type(a) is int]
-            exact = self.op_written(msg[1]) if self.op_written is not None else None
-            if exact is not None and exact[0] == len(ids):  # (no operand left out or added: positions hold)
-                ids = [ids[k] for k in exact[1]]
-            for a in ids:
-                known.pop(a, None)
+            for a in written_args(msg[1], msg[2], msg[3], None, self.op_written):
+                if type(a) is int:
+                    known.pop(a, None)
             return
         if kind in READS_ONLY:
             return

@@ -67,13 +67,13 @@ _KINDS = {v: k for k, v in vars(m).items() if k.isupper() and type(v) is int and
     "UPLOAD", "READ", "SYNC", "CUSTOM", "SHAPE", "GRAPH", "REPLAY", "EXPOSE", "FETCH", "MOVE", "CLOSE")}
 
 
-
 @torch.compiler.disable
 def _noted(seen: dict[int, Any], obj: Any) -> None:
     """A hook's note of a module or optimizer the step used (None: the hook changes nothing; ``... and None`` asked
     ``bool()`` of it, which a compiled module's ``len`` refuses). Never traced: a compiled module called in the step
     runs its hooks from its graph, and Dynamo refuses a module it holds twice."""
     seen.setdefault(id(obj), obj)
+
 
 class CaptureWarning(UserWarning):
     """A captured step runs eagerly (the message says why)."""

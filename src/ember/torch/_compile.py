@@ -31,7 +31,6 @@ point (``pip install`` registers it), or pass :func:`compiler` itself.
 from __future__ import annotations
 
 import operator
-
 import threading
 from typing import Any, Callable
 

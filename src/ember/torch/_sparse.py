@@ -158,7 +158,8 @@ def add_(a: torch.Tensor, b: Any, *, alpha: Any = 1) -> torch.Tensor:
 
 
 def mul_(a: torch.Tensor, b: Any) -> torch.Tensor:
-    """``sparse.mul_(number or dense)`` (SGD's momentum buffer on a sparse gradient): ``mul``, copied into ``a``."""
+    """``sparse.mul_(number or dense)`` (also ``torch._foreach_mul_``'s, one tensor at a time): ``mul``, copied into
+    ``a``."""
     return a.copy_(mul(a, b))
 
 
