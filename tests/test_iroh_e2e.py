@@ -251,8 +251,8 @@ def test_two_running_peers_never_share_a_key(tmp_path: Path) -> None:
                 db.close()
         finally:
             stop(b)
-        r = subprocess.run([*CLI, "serve", "--offline", "--key", str(path)], capture_output=True, text=True,
-                           env=ENV, timeout=30)
+        r = subprocess.run([*CLI, "serve", "--offline", "--bind", "127.0.0.1:0", "--key", str(path)],
+                           capture_output=True, text=True, env=ENV, timeout=30)
         assert r.returncode != 0 and "another running ember serve uses the secret key" in r.stderr
         assert "ember keygen" in r.stderr and "Traceback" not in r.stderr
     finally:
