@@ -65,6 +65,26 @@ def test_a_read_of_untouched_values_overtakes_and_one_of_written_values_waits(tc
         dev.close()
 
 
+def test_a_read_of_batch_norm_statistics_waits_for_the_batch_norm(tcp_peer: str) -> None:
+    """``native_batch_norm`` writes its running statistics though its schema does not say so: a read of them waits
+    for a queued batch norm (it overtook it on a busy peer, answering the statistics before the update)."""
+    dev = ember.connect(tcp_peer)
+    try:
+        with dev:
+            a = torch.randn(N, N).to("ember") / N
+            bn, ref, x = torch.nn.BatchNorm1d(3).to("ember"), torch.nn.BatchNorm1d(3), torch.randn(8, 3)
+            dev.sync()
+            for _ in range(4):
+                _busy(dev, a, 4)
+                bn(x.to("ember"))
+                ref(x)
+                dev.session.flush()
+                # (this step's statistics, not the last step's, ~10% apart; a peer on all its cores may round the
+                torch.testing.assert_close(bn.running_mean.cpu(), ref.running_mean, rtol=1e-5, atol=1e-7)  # mean)
+    finally:
+        dev.close()
+
+
 def test_a_read_waits_for_a_queued_replayed_graph_that_writes_what_it_reads(tcp_peer: str) -> None:
     """The same in-place steps every time (a graph replayed once cached), queued behind a slow batch: a read of
     what the graph writes waits for it."""

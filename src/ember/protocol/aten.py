@@ -99,6 +99,11 @@ DENY_EXCEPT = frozenset({"aten.mkldnn_rnn_layer.default", "aten.mkldnn_rnn_layer
 the kernels CPU torch itself runs for ``nn.LSTM``, take and return plain strided tensors; the peer checks
 their operands' sizes against each other first (``server/execute/rnn_layer.py``)."""
 
+UNMARKED_WRITES = {"aten.native_batch_norm.default": frozenset({"running_mean", "running_var"})}
+"""Overloads that write arguments their schema does not mark (by argument name): ``native_batch_norm`` updates
+its running statistics in place. Client and peer count them written: a read of them never overtakes the call
+(``server/read_ahead.py``), a value the client knew is forgotten, a failed call poisons them."""
+
 MAX_DIMS = 64
 MAX_LIST = 1 << 16
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -161,6 +166,7 @@ def layout_extent(layout: Any, itemsizes: dict[str, int]) -> int:
     return (last + 1) * itemsizes[dtype]
 
 
-__all__ = ["CATEGORY", "RETURNS", "DTYPES", "MEMORY_FORMATS", "INTERNAL", "DENY", "category", "refusal", "layout_extent",
+__all__ = ["CATEGORY", "RETURNS", "DTYPES", "MEMORY_FORMATS", "INTERNAL", "DENY", "UNMARKED_WRITES", "category",
+           "refusal", "layout_extent",
            "TENSOR", "TENSOR_LIST", "SCALAR", "SCALAR_LIST", "LITERAL", "STRING", "DTYPE", "MEMORY_FORMAT",
            "LAYOUT", "DEVICE", "GENERATOR"]

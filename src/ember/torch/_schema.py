@@ -19,9 +19,6 @@ _EMPTY = frozenset({"empty", "empty_strided", "new_empty", "new_empty_strided", 
 #: wire name -> whether the overload writes any of its arguments, for every overload the client has met
 #: (``ClientSession.op_writes``: which ops a value read from a held op group may go past)
 WRITES: dict[str, bool] = {}
-#: Overloads that write arguments their schema does not mark (by position among their tensor arguments):
-#: ``native_batch_norm`` updates its running statistics in place.
-UNMARKED_WRITES = {"aten.native_batch_norm.default": (3, 4)}
 #: wire name -> (its tensor arguments, the positions among them it writes), for an overload whose every tensor
 #: argument is one operand (no lists): ``ClientSession.op_written`` (a copy's source stays known)
 WRITTEN: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -47,11 +44,11 @@ class OpInfo:
         self.pos_cats = tuple(c for _n, c, kwonly, _d in self.args if not kwonly)  # (the fast path's walk)
         self.writes = tuple(bool(a.alias_info is not None and a.alias_info.is_write) for a in schema.arguments)
         cats = [c for _n, c, _k, _d in self.args]
-        unmarked = UNMARKED_WRITES.get(self.name, ())
+        unmarked = A.UNMARKED_WRITES.get(self.name, ())
         WRITES[self.name] = any(self.writes) or bool(unmarked)
         if A.TENSOR_LIST not in cats:
-            tensors = [w for (_n, c, _k, _d), w in zip(self.args, self.writes) if c == A.TENSOR]
-            WRITTEN[self.name] = (len(tensors), tuple(k for k, w in enumerate(tensors) if w or k in unmarked))
+            tensors = [w or n in unmarked for (n, c, _k, _d), w in zip(self.args, self.writes) if c == A.TENSOR]
+            WRITTEN[self.name] = (len(tensors), tuple(k for k, w in enumerate(tensors) if w))
         self.inplace_view = torch.Tag.inplace_view in op.tags and base not in ("resize_", "resize_as_")
         self.seeded = torch.Tag.nondeterministic_seeded in op.tags
         self.by_value = base in _VALUE_SHAPED or not any(c in (A.TENSOR, A.TENSOR_LIST) for _, c, _, _ in self.args)

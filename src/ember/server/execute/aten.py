@@ -147,7 +147,11 @@ class AtenKernel:
         self.name, self.op, self.device, self.rng = name, op, device, rng
         args = op._schema.arguments
         self.args = [(a.name, A.category(str(a.real_type)), str(a.real_type), a.kwarg_only) for a in args]
-        self.writes = [bool(a.alias_info is not None and a.alias_info.is_write) for a in args]
+        marked = [bool(a.alias_info is not None and a.alias_info.is_write) for a in args]
+        unmarked = A.UNMARKED_WRITES.get(name, ())
+        #: the operands a call writes: as its schema marks them, and the ones it writes unmarked (a read never
+        #: overtakes the call, a failure poisons them)
+        self.writes = [w or a.name in unmarked for w, a in zip(marked, args)]
         self.writes_any = any(self.writes)
         self.seeded = torch.Tag.nondeterministic_seeded in op.tags and not any(c == A.GENERATOR
                                                                                 for _, c, _, _ in self.args)
@@ -167,7 +171,7 @@ class AtenKernel:
         self.bounded = not self.resize and self.special is None
         #: the session's call shapes bound once (:mod:`.eager`), for an overload that writes no operand and
         #: needs no position check; else None
-        self.plans = None if self.resize or self.check is not None or self.writes_any or self.special is not None \
+        self.plans = None if self.resize or self.check is not None or any(marked) or self.special is not None \
             else plans
 
     def written(self, kwargs: Any) -> list[int]:
