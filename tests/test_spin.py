@@ -262,8 +262,12 @@ def test_a_client_polls_hot_only_for_an_answer_that_may_come_soon(hot_peer, monk
     monkeypatch.setattr(d.session._calm, "finish", lambda *a, **k: (soon.append(k.get("soon")), finish(*a, **k))[1])
     try:
         x = xp.asarray(np.arange(4.0), device=d)
+        s = d.session
         for i in range(5):  # a little work before each read: polled hot
-            np.testing.assert_array_equal((x + i).to_numpy(), np.arange(4.0) + i)
+            z = x + i
+            s.flush()  # (a read finding the link busy goes the ordinary way: on a loaded machine, wait for calm)
+            assert wait_until(lambda: not s._frames and s._parked, timeout=30)
+            np.testing.assert_array_equal(z.to_numpy(), np.arange(4.0) + i)
         assert len(soon) >= 4 and all(soon) and d.session.stats["exchanges"] >= 4, soon
         assert hot  # (a hot wait that misses, on a loaded machine, makes the next 2 sleep: so not one per read)
         hot.clear()
@@ -272,7 +276,6 @@ def test_a_client_polls_hot_only_for_an_answer_that_may_come_soon(hot_peer, monk
         y = x
         for _ in range(2 * exchange.SOON_WORK):  # much work, then one read: it sleeps at once
             y = y * 1.0 + 1.0
-        s = d.session
         s.flush()
         assert wait_until(lambda: not s._frames and s._parked, timeout=30)  # sent: the read finds the link calm
         np.testing.assert_array_equal(y.to_numpy(), np.arange(4.0) + 2 * exchange.SOON_WORK)
