@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Iterator
 
 import numpy as np
@@ -103,6 +105,35 @@ def test_websocket_peers_move_directly_with_the_capability_alone(peers):
     y = x.to_device(c_ws)
     assert float(xp.sum(y)) == 3000.0
     assert c_ws.stats()["bytes_received"] < 1000
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="stops a peer process (POSIX)")
+def test_a_download_from_a_source_that_stops_answering_fails_in_seconds():
+    """A source peer that vanishes mid-move (SIGSTOPped here: its host froze or its link went down) fails the
+    target's download within seconds, naming it, not at QUIC's 30-s idle timeout; the target serves on."""
+    from ember.server import transfer
+    tmp = tempfile.mkdtemp(prefix="ember-stop-")
+    a, b = Peer(tmp, "a"), Peer(tmp, "b")
+    try:
+        da, db = ember.connect(a.ticket), ember.connect(b.ticket)
+        x = xp.arange(8.0, device=da)
+        np.testing.assert_array_equal(x.to_device(db).to_numpy(), np.arange(8.0))  # b's link to a is up
+        big = xp.ones((1 << 20,), device=da) * 2.0
+        assert float(xp.sum(big[:1])) == 2.0
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        y = big.to_device(db, timeout=60)
+        with pytest.raises(TransferError, match="stopped answering") as ei:
+            y.to_numpy()
+        took = time.monotonic() - t0
+        assert took < transfer.STALL_S + transfer.PROBE_S + 10, took  # (60 s without the probe)
+        assert a.ticket[:40] in str(ei.value) and "move it again" in (ei.value.hint or "")
+        np.testing.assert_array_equal((xp.arange(3.0, device=db) + 1.0).to_numpy(), np.arange(3.0) + 1.0)
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+        a.stop()
+        b.stop()
 
 
 CLIENT = r"""

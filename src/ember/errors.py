@@ -103,4 +103,7 @@ def from_wire(d: dict[str, Any]) -> EmberError:
         return RemoteExecutionError(msg, op=d.get("op"))
     if cls is AuthorizationError:
         return AuthorizationError(msg)
+    if cls is TransferError:
+        return TransferError(msg, hint="the moved tensor has no value on this peer: move it again from a live "
+                                       "source (a source that ended takes its tensors with it)")
     return cls(msg)

@@ -70,7 +70,7 @@ def first_map(first: bytes) -> dict[str, Any] | None:
         d = codec.unpackb(first, max_frame=1 << 16)
     except ProtocolError:
         return None
-    return d if isinstance(d, dict) and d.get("type") in ("transfer", "lane", "transfer_lane") else None
+    return d if isinstance(d, dict) and d.get("type") in ("transfer", "lane", "transfer_lane", "ping") else None
 
 
 async def serve_lane(server: SessionHost, conn: FrameConnection, lane: tuple[str, bytes, Any]) -> None:

@@ -104,6 +104,10 @@ async def drive_session(server: SessionHost, conn: FrameConnection) -> None:
             return
         request = first_map(first)
         trust = getattr(conn, "trust", None)  # once the first frame is accepted: full-size frames
+        if request is not None and request.get("type") == "ping":  # a downloader asks whether this peer is there
+            await conn.send(codec.packb({"type": "pong"}))
+            await close_quietly(conn)
+            return
         if request is not None and request.get("type") == "transfer":
             if trust is not None:
                 trust()
