@@ -59,6 +59,67 @@ def test_load_with_map_location_ember_keeps_values_views_and_parameters(tmp_path
     assert torch.equal(fresh.weight.cpu(), m.weight.detach())
 
 
+def test_save_and_load_work_under_set_default_device_ember(tmp_path: Path) -> None:
+    """Ember's own host-side tensors (a checkpoint's bytes, known values) say device="cpu": under
+    ``torch.set_default_device("ember")`` they were made on ember and saving failed with WrongDevice."""
+    e = torch.arange(6.0).to("ember")
+    torch.save({"w": torch.ones(3)}, tmp_path / "cpu.pt")
+    torch.set_default_device("ember")
+    try:
+        torch.save({"e": e, "view": e[2:]}, tmp_path / "ember.pt")
+        back = torch.load(tmp_path / "ember.pt", map_location="ember")
+        on = torch.load(tmp_path / "cpu.pt", map_location="ember")["w"]
+        m = nn.Linear(3, 2)  # made on ember by the default device
+        m(torch.ones(1, 3)).sum().backward()
+    finally:
+        torch.set_default_device(None)
+    assert torch.equal(back["e"].cpu(), torch.arange(6.0)) and torch.equal(back["view"].cpu(), torch.arange(2.0, 6))
+    assert on.device.type == "ember" and torch.equal(on.cpu(), torch.ones(3))
+    assert m.weight.device.type == "ember" and m.weight.grad is not None
+
+
+def test_distributed_checkpoint_saves_and_loads_with_ember_the_accelerator(tmp_path: Path) -> None:
+    """torch.distributed.checkpoint asks the accelerator (ember) for its current stream, for CPU tensors too:
+    ``torch.ember.current_stream()`` is the session's one stream."""
+    import torch.distributed.checkpoint as dcp
+    s = torch.ember.current_stream()
+    assert s == torch.ember.current_stream() and s.device_type == "ember"
+    for dev in ("cpu", "ember"):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)).to(dev)
+        where = tmp_path / dev
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.save({"model": m.state_dict()}, checkpoint_id=where)
+        torch.manual_seed(1)
+        state = {"model": nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)).to(dev).state_dict()}
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.load(state, checkpoint_id=where)
+        for k, v in m.state_dict().items():
+            assert state["model"][k].device.type == dev and torch.equal(state["model"][k].cpu(), v.cpu()), k
+
+
+@pytest.mark.parametrize("use_buffers", [False, True])
+def test_swa_averaged_model_on_a_cpu_peer_averages_as_cpu(use_buffers: bool) -> None:
+    """AveragedModel on a CPU peer's tensors takes CPU's per-tensor average (torch sends accelerators down
+    CUDA's multi-tensor lerp: 1e-9 off, and failing on BatchNorm's integer counter with use_buffers)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    def run(dev: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).to(dev)
+        avg = AveragedModel(m, use_buffers=use_buffers)
+        g = torch.Generator().manual_seed(2)
+        for i in range(3):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.mul_(1.1).add_(0.013 * (i + 1))
+            m(torch.randn(4, 8, generator=g).to(dev))
+            avg.update_parameters(m)
+        return {k: v.cpu() for k, v in avg.state_dict().items()}
+    cpu, ember_ = run("cpu"), run("ember")
+    assert all(torch.equal(cpu[k], ember_[k]) for k in cpu)
+
+
 def test_a_whole_pickled_model_saved_from_ember_loads_back_on_ember(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False), nn.BatchNorm1d(3))
     model[1].weight = model[0].weight

@@ -35,7 +35,7 @@ def _onto_ember(obj: Any, storages: dict[int, Any]) -> Any:
     if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
         st = obj.untyped_storage()
         if id(st) not in storages:
-            storages[id(st)] = (st, torch.empty(0, dtype=torch.uint8).set_(st).to("ember").untyped_storage())
+            storages[id(st)] = (st, torch.empty(0, dtype=torch.uint8, device="cpu").set_(st).to("ember").untyped_storage())
         t = torch.empty(0, dtype=obj.dtype, device="ember").set_(storages[id(st)][1], obj.storage_offset(),
                                                                   obj.shape, obj.stride())
         return torch.nn.Parameter(t, obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else \

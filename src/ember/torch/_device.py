@@ -94,6 +94,53 @@ class EmberModule:
         """``with torch.ember.device(0):`` -- ember has one torch device index: a no-op context."""
         return contextlib.nullcontext()
 
+    # Streams: a session runs its ops in order, so an ember device has one stream. What asks for the
+    # accelerator's streams (torch.distributed.checkpoint's writer and loader) gets it.
+    @staticmethod
+    def current_stream(device: Any = None) -> "Stream":
+        return _STREAM
+
+    default_stream = current_stream
+
+    @staticmethod
+    def stream(stream: Any = None) -> Any:
+        """``with torch.ember.stream(s):`` -- the one stream: a no-op context."""
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def set_stream(stream: Any) -> None:
+        return None
+
+
+class Stream:
+    """An ember device's one stream (``torch.ember.current_stream()``): ops run in the order recorded;
+    ``synchronize()`` waits until every op recorded on the current Ember device has run."""
+
+    device_type = "ember"
+    device_index = 0
+
+    def synchronize(self) -> None:
+        Dv.current_device().sync()
+
+    def wait_stream(self, stream: Any) -> None:
+        return None  # (one stream: already in order)
+
+    def query(self) -> bool:
+        self.synchronize()
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stream)
+
+    def __hash__(self) -> int:
+        return hash(Stream)
+
+    def __repr__(self) -> str:
+        return "<torch.ember.Stream device=ember:0 (the session's one stream)>"
+
+
+_STREAM = Stream()
+
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc,name-defined]
     def is_available(self) -> bool:
@@ -201,4 +248,4 @@ def register() -> None:
         _registered = True
 
 
-__all__ = ["register", "EmberModule"]
+__all__ = ["register", "EmberModule", "Stream"]

@@ -116,8 +116,8 @@ def remember(res: torch.Tensor, c: Any) -> None:
             or nb > KNOWN_MAX or res.storage_offset() or not _covers(res, nb) or type(c) is not torch.Tensor \
             or c.dtype is not res.dtype or c.shape != res.shape:
         return  # (the peer's bytes outside the result's layout are not the client's to know)
-    buf = torch.empty(nb, dtype=torch.uint8)
-    torch.empty(0, dtype=res.dtype).set_(buf.untyped_storage(), 0, res.shape, res.stride()).copy_(c)
+    buf = torch.empty(nb, dtype=torch.uint8, device="cpu")
+    torch.empty(0, dtype=res.dtype, device="cpu").set_(buf.untyped_storage(), 0, res.shape, res.stride()).copy_(c)
     known[r.sid] = buf
 
 
@@ -147,7 +147,7 @@ def deciding_bytes(base: str, operands: list[torch.Tensor], session: Any) -> tup
         elif t.dtype in EXACT or base not in SHAPED_BY_INDICES or st.nbytes() > STAND_IN_MAX:
             return None
         else:
-            bufs.setdefault(id(st), torch.empty(st.nbytes(), dtype=torch.uint8))
+            bufs.setdefault(id(st), torch.empty(st.nbytes(), dtype=torch.uint8, device="cpu"))
             every = False
     return (bufs, every) if bufs else None
 
@@ -161,7 +161,7 @@ def _on_cpu(a: Any, known: dict[int, Any], s: Any, kinds: frozenset[torch.dtype]
         k = _bytes(known, r.sid) if r is not None and r.session is s and a.dtype in kinds else None
         if k is None:
             if layout_only and a.numel() * a.element_size() <= KNOWN_MAX:
-                return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype)
+                return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cpu")
             raise _Unknown
         return _view(k, a)
     if isinstance(a, (list, tuple)):
@@ -183,13 +183,13 @@ def _bytes(known: dict[int, Any], sid: int) -> Any:
     """The known bytes of ``sid`` as a CPU ``uint8`` tensor (made once from an upload's ``bytes``), or None."""
     k = known.get(sid)
     if type(k) is bytes:
-        k = known[sid] = torch.frombuffer(bytearray(k), dtype=torch.uint8) if k else torch.empty(0, dtype=torch.uint8)
+        k = known[sid] = torch.frombuffer(bytearray(k), dtype=torch.uint8) if k else torch.empty(0, dtype=torch.uint8, device="cpu")
     return k
 
 
 def _view(k: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``t``'s layout (dtype, size, stride, offset) over the known bytes ``k``, a CPU tensor."""
-    return torch.empty(0, dtype=t.dtype).set_(k.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    return torch.empty(0, dtype=t.dtype, device="cpu").set_(k.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
 def value(t: torch.Tensor, r: StorageRef) -> torch.Tensor | None:

@@ -224,7 +224,7 @@ class HostModel:
                 if type(s) is not Tensor or not s.is_cpu:
                     return None
         global _ONE
-        one = _ONE = _ONE if _ONE is not None else torch.tensor(1.0)
+        one = _ONE = _ONE if _ONE is not None else torch.tensor(1.0, device="cpu")
         for c in counts:
             if c:
                 torch._foreach_add_(c, one, alpha=1.0)  # as torch does for CPU step counts

@@ -257,7 +257,8 @@ def _install_save() -> None:
             if copy is None:
                 whole = D.new_tensor(torch.uint8, [st.nbytes()], [1], 0, storage=st)
                 copy = storages[st.data_ptr()] = (T.read(whole).untyped_storage(), st)
-            host = torch.empty(0, dtype=self.dtype).set_(copy[0], self.storage_offset(), self.shape, self.stride())
+            host = torch.empty(0, dtype=self.dtype, device="cpu").set_(copy[0], self.storage_offset(), self.shape,
+                                                                       self.stride())
         return host.requires_grad_(self.requires_grad)._reduce_ex_internal(proto)
 
     @functools.wraps(original_save)
@@ -534,33 +535,6 @@ def _install_backward_thread() -> None:
     autograd._engine_run_backward = _engine_run_backward
 
 
-def _install_optimizer_defaults() -> None:
-    """Optimizers left at ``foreach=None`` take CPU's single-tensor path on a CPU peer's parameters where torch's two
-    paths round otherwise: ``NAdam``, ``RAdam`` and ``ASGD`` always, every optimizer on float16 / bfloat16
-    parameters (SGD with momentum, RMSprop, Adagrad... differ there). Torch picks the multi-tensor path for any
-    accelerator, ember too; elsewhere the two are bit-equal and the multi-tensor one is kept (fewer ops)."""
-    import importlib
-    always = {"nadam", "radam", "asgd"}
-    for name in ("sgd", "adam", "rmsprop", "adagrad", "adamax", "adadelta", "rprop", *sorted(always)):
-        mod = importlib.import_module(f"torch.optim.{name}")
-        orig = mod._default_to_fused_or_foreach
-        if getattr(orig, "_ember", False):
-            continue
-
-        def default(params: Any, differentiable: bool, use_fused: bool = False, _orig: Any = orig,
-                    _always: bool = name in always) -> Any:
-            if torch.compiler.is_compiling():  # (a compiled step, traced: torch's choice, as in eager below for
-                return _orig(params, differentiable, use_fused)  # float32; ember's own code would break the graph)
-            ps = [p for p in params if p is not None]
-            refs = [ref_or_none(p) for p in ps]
-            if refs and all(r is not None and r.device.info.get("spec") == "torch:cpu" for r in refs) and \
-                    (_always or any(p.dtype in (torch.float16, torch.bfloat16) for p in ps)):
-                return False, False
-            return _orig(params, differentiable, use_fused)
-        default._ember = True  # type: ignore[attr-defined]
-        mod._default_to_fused_or_foreach = default
-
-
 def install() -> list[Any]:
     """Install the patches; returns the torch.library registrations to keep alive."""
     lib = torch.library.Library("aten", "IMPL")
@@ -575,7 +549,8 @@ def install() -> list[Any]:
     _install_pinning()
     _install_default_compile()
     _install_threads()
-    _install_optimizer_defaults()
+    from . import _cpu_paths
+    _cpu_paths.install()
     _install_backward_thread()
     from . import _across_peers, _checkpoint
     _checkpoint.install()

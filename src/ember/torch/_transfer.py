@@ -39,7 +39,7 @@ def _bytes_of(host: torch.Tensor) -> np.ndarray:
     flat = host.reshape(-1)
     if flat.numel() == 1 and flat.stride(0) != 1:  # one element, any stride: still "contiguous" to torch
         flat = flat.clone(memory_format=torch.contiguous_format)
-    return (flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)).numpy()
+    return (flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device="cpu")).numpy()
 
 
 def upload(src: torch.Tensor, dev: Device) -> torch.Tensor:
@@ -84,7 +84,7 @@ def read(t: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
     """The value of an ember tensor as a CPU tensor (one round trip)."""
     r = ref_of(t)
     if r.pending is not None:  # never written: the peer would allocate it zeroed
-        return torch.zeros(t.shape, dtype=t.dtype)
+        return torch.zeros(t.shape, dtype=t.dtype, device="cpu")
     v = _known.value(t, r) if getattr(r.session, "known", None) else None
     if v is not None:  # the client holds its bytes (_known.py): no round trip
         return v.clone()
@@ -103,8 +103,8 @@ def read(t: torch.Tensor, timeout: float | None = None) -> torch.Tensor:
         flat = torch.from_numpy(data.reshape(-1).view(np.uint8))
     else:
         flat = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8) \
-            if len(data) else torch.empty(0, dtype=torch.uint8)
-    typed = flat.view(t.dtype) if flat.numel() else torch.empty(0, dtype=t.dtype)
+            if len(data) else torch.empty(0, dtype=torch.uint8, device="cpu")
+    typed = flat.view(t.dtype) if flat.numel() else torch.empty(0, dtype=t.dtype, device="cpu")
     out = torch.as_strided(typed, src.shape, src.stride(), src.storage_offset())
     return out if src is not t or _covers_storage(t) else out.clone()
 

@@ -392,7 +392,7 @@ class AtenKernel:
             else:
                 desc.append(-2)
                 out.append(torch.tensor(r, device=self.device))
-        out.append(torch.tensor(desc, dtype=torch.int64))
+        out.append(torch.tensor(desc, dtype=torch.int64, device=self.device))
         return tuple(out)
 
     def _store(self, r: Any, spec: list[Any], operands: list[torch.Tensor],

@@ -65,7 +65,7 @@ class EagerPlan:
         for lay in lays:
             need = A.layout_extent(lay, itemsize)  # raises on a malformed layout: no plan, the generic path
             self.lays.append((dtypes[lay[3]], lay[2], list(lay[0]), list(lay[1]), need))
-        marks = [torch.empty(0) for _ in lays]  # bound once with markers, as Program._lower does
+        marks = [torch.empty(0, device="cpu") for _ in lays]  # bound once with markers, as Program._lower does
         self.n_scal = _scalar_count(k, a, A)
         smarks = [float(j) + 0.5 for j in range(self.n_scal)]
         args, kwargs, before = k._bind(a, marks, smarks)

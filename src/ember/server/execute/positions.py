@@ -139,8 +139,8 @@ def _offset2bag(op: str, o2b: Any, offsets: Any, n: int, bags: int) -> None:
         return
     if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or not offsets.numel():
         _fail(op, "an empty offset2bag is rebuilt from the offsets, and there are none")
-    rebuilt = torch.zeros(n + 1, dtype=torch.int64).index_add_(0, offsets.long(), torch.ones(offsets.numel(),
-                                                                                           dtype=torch.int64))
+    rebuilt = torch.zeros(n + 1, dtype=torch.int64, device=offsets.device)
+    rebuilt.index_add_(0, offsets.long(), torch.ones(offsets.numel(), dtype=torch.int64, device=offsets.device))
     rebuilt[0] -= 1
     _in_range(op, "offset2bag (rebuilt from the offsets)", rebuilt.cumsum(0)[:n], 0, bags)
 

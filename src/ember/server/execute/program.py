@@ -157,7 +157,7 @@ class Program:
         fs.trusted = False
         fs.otypes = None  # the scalars' types of an overriding replay it was shown exact under (then trusted so)
         # bind once with markers: each tensor slot a distinct empty tensor, each scalar a distinct float
-        marks = [torch.empty(0) for _ in lays]
+        marks = [torch.empty(0, device="cpu") for _ in lays]
         n_scal = _scalar_count(fn, a, aten.A)
         smarks = [float(j) + 0.5 for j in range(n_scal)]
         args, kwargs, before = fn._bind(a, marks, smarks)
