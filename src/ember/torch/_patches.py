@@ -27,6 +27,7 @@ import torch
 from . import _devices as Dv
 from . import _dispatch as D
 from . import _known
+from . import _sdpa
 from . import _transfer as T
 from ._schema import bound, info
 from ._storage import StorageRef, layout_of, live_session, ref_of, ref_or_none, set_layout
@@ -49,6 +50,21 @@ def _set(op: Any, *args: Any, **kwargs: Any) -> Any:
     return out
 
 
+#: Ops that only change their operand's layout in place.
+_INPLACE_VIEWS = ("as_strided_", "unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "swapaxes_")
+
+
+def _inplace_view(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """An in-place view (``unsqueeze_``, ``as_strided_``...) of a tensor with no storage on a peer changes only its
+    layout, here: torch.compile's functionalization fixes its wrappers' layouts so (``adaptive_avg_pool2d`` of a
+    channels-last input runs ``mean(...).as_strided_(...)``; GroupNorm's backward ``unsqueeze_``). Any other call
+    is an ordinary one."""
+    if args and isinstance(args[0], torch.Tensor) and getattr(args[0].untyped_storage(), "_ember", None) is None:
+        i = info(op)
+        return D.meta_call(i, bound(i, args, kwargs))
+    return D.kernel_generic(op, *args, **kwargs)
+
+
 def _resize(op: Any, self: torch.Tensor, size: Any, memory_format: Any = None) -> Any:
     """``resize_``: relayout here; grow the peer's storage when the new layout needs more bytes."""
     r = ref_of(self)
@@ -65,26 +81,6 @@ def _resize(op: Any, self: torch.Tensor, size: Any, memory_format: Any = None) -
             live_session(r).record([D._OP, "aten.resize_.default", [[], r.sid], 1, [],
                                     {"a": [0, list(shaped.shape), fmt], "l": [old], "o": []}])
     return self
-
-
-_choices: dict[Any, Any] = {}
-
-
-def _peer_decides(op: Any, *args: Any, **kwargs: Any) -> Any:
-    """A metadata-only choice that depends on the peer's hardware (``_fused_sdp_choice``: which attention
-    kernel): asked of the peer once per device, layout and scalar values, then cached, so a torch:cpu peer
-    picks the kernel local CPU torch picks and a GPU peer the one its GPU offers. The values are in the key:
-    CPU torch takes its flash kernel only without dropout (``dropout_p``), and a choice may turn on
-    ``is_causal``, ``scale`` or ``enable_gqa`` too."""
-    i = info(op)
-    values = bound(i, args, kwargs)
-    template, operands, refs, scalars, key = D._walk(i, values)
-    dev = Dv.device_of(refs, i)
-    k = (op, id(dev), *key, *[(type(x), x) for x in scalars])
-    v = _choices.get(k)
-    if v is None:
-        v = _choices[k] = T.run_dynamic(i, operands, scalars, template, D.layouts_of(operands), values)
-    return v
 
 
 def _on_its_device(op: Any, self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -191,12 +187,15 @@ def _install_ops() -> None:
         if ov is not None:
             S[ov] = _set
     S[aten.resize_.default] = _resize
+    for packet in _INPLACE_VIEWS:
+        for name in getattr(aten, packet).overloads():
+            S[getattr(getattr(aten, packet), name)] = _inplace_view
     S[aten.resize_as_.default] = lambda op, self, other, memory_format=None: _resize(
         op, self, other.shape, memory_format)
     S[aten.is_pinned.default] = lambda op, self, device=None: False
     S[aten._pin_memory.default] = _pin
     S[aten.record_stream.default] = lambda op, *a, **k: None
-    S[aten._fused_sdp_choice.default] = _peer_decides
+    S[aten._fused_sdp_choice.default] = _sdpa.choice
     S[aten.clone.default] = S[aten._to_copy.default] = _on_its_device
     # ember tensors never carry torch's lazy conjugate/negative bits: conj() and _neg_view() copy
     S[aten._conj.default] = lambda op, x: D.kernel_generic(aten.conj_physical.default, x)
@@ -448,47 +447,6 @@ def _install_module_apply() -> None:
     mm.is_traceable_wrapper_subclass = is_traceable_wrapper_subclass
 
 
-_FLASH = 1  # sdp::SDPBackend::flash_attention
-
-
-def _stand_in(t: Any) -> Any:
-    """A tracing tensor (``torch.compile``: Dynamo's fake tensors, AOTAutograd's functional ones) as
-    a real, zeroed ember tensor of its layout on the current device, so the peer can be asked which
-    kernel it takes (the compiled graph then holds the kernel eager runs); anything else as it is."""
-    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-    from torch._subclasses.functional_tensor import FunctionalTensor, disable_functional_mode
-    if not isinstance(t, (FakeTensor, FunctionalTensor)):
-        return t
-    from torch.fx.experimental.symbolic_shapes import optimization_hint as hint
-    size, stride = [hint(n) for n in t.shape], [hint(n) for n in t.stride()]  # (this call's sizes, no
-    with disable_functional_mode(), unset_fake_temporarily():  # guard on them: dynamic=True stays dynamic; CPU's
-        return torch.empty_strided(size, stride, dtype=t.dtype, device="ember")  # choice needs no exact size)
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
-          is_causal: bool = False, *, scale: Any = None, enable_gqa: bool = False) -> torch.Tensor:
-    """``scaled_dot_product_attention`` on ember tensors picks its kernel as the peer's device would.
-
-    torch's composite picks through a C++ dispatch stub a Python device cannot fill, so it would
-    always take the math path; here the peer is asked (once per layout) which kernel its device
-    takes, and a torch:cpu peer runs the same fused CPU kernel local torch runs (bit-equal).
-    """
-    real = [_stand_in(t) for t in (q, k, v, attn_mask)]  # (torch.compile traces with fake tensors)
-    choice = _peer_decides(aten._fused_sdp_choice.default, *real, dropout_p, is_causal,
-                           scale=scale, enable_gqa=enable_gqa)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as torch's convert_boolean_attn_mask
-        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
-            attn_mask.logical_not(), float("-inf"))
-    if choice == _FLASH and not (attn_mask is not None and attn_mask.requires_grad) and Dv.device_of(
-            [ref_of(real[0])], info(aten._fused_sdp_choice.default)).info.get("spec", "").startswith("torch:cpu"):
-        # (a mask that requires grad -- T5's learned position bias -- takes the math path on CPU: its flash
-        # kernel has no gradient for the mask; the peer sees values only, not requires_grad)
-        return aten._scaled_dot_product_flash_attention_for_cpu.default(
-            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-    return aten._scaled_dot_product_attention_math.default(
-        q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
-
-
 def _install_threads() -> None:
     """``torch.set_num_threads`` on the main thread also sets the embedded peer's kernels' thread count
     (``server.execute.aten.THREADS``, first taken here, from the main thread that imports ``ember.torch``): the
@@ -538,7 +496,7 @@ def _install_backward_thread() -> None:
 def install() -> list[Any]:
     """Install the patches; returns the torch.library registrations to keep alive."""
     lib = torch.library.Library("aten", "IMPL")
-    lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
+    _sdpa.register(lib)
     _install_ops()
     _install_accelerator_memory()
     _install_print()

@@ -30,6 +30,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _fwd_ad
 
 from ..protocol import messages as m
 from ..server.execute.rnn_layer import LSTM
@@ -44,8 +45,17 @@ Tensor = torch.Tensor
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 
 
+def _transformed() -> bool:
+    """``torch.func`` transforms or forward-mode AD are on: ember's own RNN kernels (a layer per peer call, the
+    fused cells) have no rules for them, so torch's plain-op decompositions run instead (differentiable every way;
+    they may round otherwise than CPU's composite)."""
+    return torch._C._are_functorch_transforms_active() or _fwd_ad._current_level >= 0
+
+
 def _cpu_peer(t: Tensor) -> bool:
     """Whether ``t`` lives on a torch CPU peer running this torch (oneDNN's workspace sizes must agree)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):  # (torch.func's wrappers: the tensor inside)
+        t = torch._C._functorch.get_unwrapped(t)
     ref = ref_or_none(t)
     return ref is not None and cpu_peer(ref.device.info)
 
@@ -76,6 +86,12 @@ def lstm(input: Tensor, hx: list[Tensor], params: list[Tensor], has_biases: bool
          dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``aten::lstm.input`` on ember tensors (see the module's docstring)."""
     per, dirs = 4 if has_biases else 2, 2 if bidirectional else 1
+    if _fwd_ad._current_level >= 0 and len(hx) == 2 and hx[0].shape[2] == hx[1].shape[2]:  # (no projections;
+        # torch.func's transforms take oneDNN's layer, as on CPU)
+        pairs = list(zip(hx[0].unbind(0), hx[1].unbind(0)))
+        out, last = _stack(_lstm_plain_step, input, pairs, params, has_biases, num_layers, dropout, train,
+                           bidirectional, batch_first)
+        return out, torch.stack([h for h, _ in last], 0), torch.stack([c for _, c in last], 0)
     if not takes_onednn(input, hx, params, per * num_layers * dirs):
         if len(hx) == 2 and _layers_ok(input, [*hx], params, per, num_layers * dirs) \
                 and hx[0].shape[2] == hx[1].shape[2]:  # (no projections)
@@ -170,6 +186,10 @@ def _rnn_layers(name: str, step: Any) -> Any:
 
     def layers(input: Tensor, hx: Tensor, params: list[Tensor], has_biases: bool, num_layers: int,  # noqa: A002
                dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple[Tensor, Tensor]:
+        if _transformed():
+            out, last = _stack(_PLAIN_STEPS[name], input, list(hx.unbind(0)), params, has_biases, num_layers,
+                               dropout, train, bidirectional, batch_first)
+            return out, torch.stack(last, 0)
         if not _layers_ok(input, [hx], params, 4 if has_biases else 2, num_layers * (2 if bidirectional else 1)):
             return op._op_dk(_COMPOSITE, input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
                              batch_first)
@@ -228,6 +248,8 @@ class _PeerLayer(torch.autograd.Function):
         given = [g for g in (g_out, g_hn) if g is not None]
         if not given or not any(ctx.grads):
             return (None,) * (3 + len(ctx.grads))
+        if torch.is_grad_enabled():  # create_graph (a gradient penalty, a Hessian): the layer's composite recorded
+            return _PeerLayer._differentiable(ctx, g_out, g_hn)  # here, differentiated with a graph
         operands = [x, hx, *given, *params]
         wanted = [t for t, g in zip((x, hx, *params), ctx.grads) if g]
         got = iter(call("torch.rnn_layer_backward", [*ctx.layer, g_out is not None, g_hn is not None], operands,
@@ -235,11 +257,49 @@ class _PeerLayer(torch.autograd.Function):
         return (None, None, None, *[next(got) if g else None for g in ctx.grads])
 
 
+    @staticmethod
+    def _differentiable(ctx: Any, g_out: Tensor | None, g_hn: Tensor | None) -> tuple[Any, ...]:
+        """The backward as a differentiable function of the saved operands: torch's layer composite on them, then
+        ``autograd.grad`` with ``create_graph``, so a second derivative flows back to them (CPU torch's graph)."""
+        name, has_biases, bidirectional, grads = ctx.layer
+        x, hx, *params = ctx.saved_tensors
+        out = _stack(_PLAIN_STEPS[name], x, list(hx.unbind(0)), params, has_biases, 1, 0.0, False, bidirectional,
+                     False)
+        out = (out[0], torch.stack(out[1], 0))
+        pairs = [(o, g) for o, g in zip(out, (g_out, g_hn)) if g is not None]
+        wanted = [t for t, g in zip((x, hx, *params), grads) if g]
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
+                                       allow_unused=True))
+        return (None, None, None, *[next(got) if g else None for g in grads])
+
+
 def _simple_step(act: Any) -> Any:
-    """CPU's ``SimpleCell``: ``act(linear_hh(h).add_(row))`` (``act``: ``tanh`` or ``relu``, out of place)."""
+    """CPU's ``SimpleCell``: ``act(linear_hh(h).add_(row))`` (``act``: ``tanh`` or ``relu``; all out of place, the same
+    values, so that ``vmap`` may batch the row alone)."""
     def step(row: Tensor, h: Tensor, w_hh: Tensor, b_hh: Tensor | None) -> Tensor:
-        return act(aten.linear.default(h, w_hh, b_hh).add_(row))
+        return act(aten.linear.default(h, w_hh, b_hh) + row)
     return step
+
+
+def _lstm_plain_step(row: Tensor, h: tuple[Tensor, Tensor], w_hh: Tensor, b_hh: Tensor | None) -> tuple[Tensor,
+                                                                                                         Tensor]:
+    """CPU's ``LSTMCell`` on a projected input row, in plain ops (``RNN.cpp``'s, out of place, so that ``vmap`` may
+    batch any of them): differentiable every way."""
+    i, f, g, o = (aten.linear.default(h[0], w_hh, b_hh) + row).unsafe_chunk(4, 1)
+    cy = f.sigmoid() * h[1] + i.sigmoid() * g.tanh()
+    return o.sigmoid() * cy.tanh(), cy
+
+
+def _gru_plain_step(row: Tensor, h: Tensor, w_hh: Tensor, b_hh: Tensor | None) -> Tensor:
+    """CPU's ``GRUCell`` on a projected input row, in plain ops (as :func:`_lstm_plain_step`)."""
+    ir, ii, in_ = row.unsafe_chunk(3, 1)
+    hr, hi, hn = aten.linear.default(h, w_hh, b_hh).unsafe_chunk(3, 1)
+    reset, update = (hr + ir).sigmoid(), (hi + ii).sigmoid()
+    new = (in_ + hn * reset).tanh()
+    return (h - new) * update + new
+
+
+_PLAIN_STEPS = {"gru": _gru_plain_step, "rnn_tanh": _simple_step(torch.tanh), "rnn_relu": _simple_step(torch.relu)}
 
 
 def _cell_ok(input: Tensor, hx: list[Tensor], w_ih: Tensor, w_hh: Tensor, gates: int) -> bool:  # noqa: A002
@@ -260,6 +320,8 @@ def lstm_cell(input: Tensor, hx: list[Tensor], w_ih: Tensor, w_hh: Tensor, b_ih:
     (``RNN.cpp``'s ``LSTMCell``: ``linear_hh(hx).add_(linear_ih(input))``), which rounds otherwise. On a CPU
     peer this makes the gates as CPU does and gives them to the fused cell without biases, whose kernel
     computes the rest with CPU's rounding (``server/execute/rnn_cells.py``): bit-equal, and three ops."""
+    if _transformed() and len(hx) == 2:
+        return _lstm_plain_step(aten.linear.default(input, w_ih, b_ih), (hx[0], hx[1]), w_hh, b_hh)
     if len(hx) != 2 or not _cell_ok(input, hx, w_ih, w_hh, 4):
         return aten.lstm_cell.default._op_dk(_COMPOSITE, input, hx, w_ih, w_hh, b_ih, b_hh)
     hy, cy, _ = aten._thnn_fused_lstm_cell.default(aten.linear.default(input, w_ih, b_ih),
@@ -271,6 +333,8 @@ def gru_cell(input: Tensor, hx: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Tensor
              b_hh: Tensor | None = None) -> Tensor:
     """``aten::gru_cell`` (``nn.GRUCell``) on ember tensors, as :func:`lstm_cell`: the gates made as CPU torch
     makes them (``addmm`` with the biases), then the fused cell without biases."""
+    if _transformed():
+        return _gru_plain_step(aten.linear.default(input, w_ih, b_ih), hx, w_hh, b_hh)
     if not _cell_ok(input, [hx], w_ih, w_hh, 3):
         return aten.gru_cell.default._op_dk(_COMPOSITE, input, hx, w_ih, w_hh, b_ih, b_hh)
     return aten._thnn_fused_gru_cell.default(aten.linear.default(input, w_ih, b_ih),
