@@ -112,7 +112,7 @@ def test_websocket_peers_move_directly_with_the_capability_alone(peers):
 def test_a_download_from_a_source_that_stops_answering_fails_in_seconds():
     """A source peer that vanishes mid-move (SIGSTOPped here: its host froze or its link went down) fails the
     target's download within seconds, naming it, not at QUIC's 30-s idle timeout; the target serves on."""
-    from ember.server import transfer
+    from ember.server import download as transfer
     tmp = tempfile.mkdtemp(prefix="ember-stop-")
     a, b = Peer(tmp, "a"), Peer(tmp, "b")
     try:

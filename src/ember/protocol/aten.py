@@ -88,11 +88,17 @@ feature ``"rng_state"``: ``torch.utils.checkpoint`` replays a dropout's mask).""
 
 DENY = re.compile(r"from_file|unsafe|as_strided|^set_|pin_memory|is_pinned|record_stream|^empty|^new_empty|_obs_fq_|"
                   r"^_empty|_nested|sparse|mkldnn|quantiz|^q_|^_cufft|^_copy_from|^_to_cpu|^_print|^_debug|"
-                  r"^_assert|^sym_|_efficientzerotensor|^_cudnn_init|^_fill_mem_eff|^lift|^_convert_indices_from")
+                  r"^_assert|^sym_|_efficientzerotensor|^_cudnn_init|^_fill_mem_eff|^lift|^_convert_indices_from|"
+                  r"^_reshape_alias|^_cummax_helper|^_cummin_helper|nnpack|^_dyn_quant|int4pack|int8pack|"
+                  r"^_new_zeros_with_same_feature_meta")
 """Ops (the name between ``aten.`` and the overload) a peer never runs, whatever their arguments:
 files, memory left uninitialised or mapped, unchecked access, pinned/sparse/quantized/nested
 tensors (``_fused_moving_avg_obs_fq_helper``: a fake-quantize observer), and ops only the client performs (copies
-across devices, metadata)."""
+across devices, metadata). Internal kernels that trust their arguments and that no client sends are refused too: views
+in disguise (``_reshape_alias``: ``as_strided`` by another name), ``_cummax_helper`` / ``_cummin_helper`` (write
+``self``'s length into the outputs as given), NNPACK's convolution (a stride of 0 divides by zero), the int4 / int8
+weight-packing kernels and ``_new_zeros_with_same_feature_meta`` (unchecked dims). Each crashed a peer with one
+message."""
 
 DENY_EXCEPT = frozenset({"aten.mkldnn_rnn_layer.default", "aten.mkldnn_rnn_layer_backward.default"})
 """Overloads :data:`DENY`'s name patterns would refuse that a peer runs: oneDNN's LSTM layer and its backward,
@@ -105,6 +111,9 @@ its running statistics in place. Client and peer count them written: a read of t
 (``server/read_ahead.py``), a value the client knew is forgotten, a failed call poisons them."""
 
 MAX_DIMS = 64
+MAX_ELEMENTS = 1 << 36
+"""Most elements a layout may describe (a stride-0 view of 2^62 elements on one byte passed the extent check, and a
+``sum`` over it never ended): 6.9e10, more than any one device holds materialised."""
 MAX_LIST = 1 << 16
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -156,17 +165,39 @@ def layout_extent(layout: Any, itemsizes: dict[str, int]) -> int:
                          f"{MAX_DIMS} dims)")
     if type(offset) is not int or not 0 <= offset <= INT64[1]:
         raise ValueError(f"a layout's offset must be a non-negative int, got {offset!r}")
-    last = offset
+    last, count = offset, 1
     for n, s in zip(size, stride):
         if type(n) is not int or type(s) is not int or n < 0 or s < 0 or n > INT64[1] or s > INT64[1]:
             raise ValueError(f"a layout's sizes and strides must be non-negative ints, got {size} / {stride}")
         if n == 0:
             return 0
         last += (n - 1) * s
+        count *= n
+    if count > MAX_ELEMENTS:
+        raise ValueError(f"a layout of {size} describes {count} elements, over the {MAX_ELEMENTS} a peer accepts")
     return (last + 1) * itemsizes[dtype]
 
 
-__all__ = ["CATEGORY", "RETURNS", "DTYPES", "MEMORY_FORMATS", "INTERNAL", "DENY", "UNMARKED_WRITES", "category",
-           "refusal", "layout_extent",
+def broadcast_numel(layouts: Any) -> int:
+    """Elements of the broadcast of the layouts' sizes (as torch broadcasts: aligned from the last dim, each dim
+    the largest), 0 if any is empty; an upper bound for incompatible sizes. Well-formed layouts only."""
+    dims: list[int] = []
+    for lay in layouts:
+        size = lay[0]
+        for k in range(1, len(size) + 1):
+            if k > len(dims):
+                dims.append(size[-k])
+            elif size[-k] == 0 or dims[k - 1] == 0:
+                dims[k - 1] = 0
+            else:
+                dims[k - 1] = max(dims[k - 1], size[-k])
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+__all__ = ["broadcast_numel", "MAX_ELEMENTS", "CATEGORY", "RETURNS", "DTYPES", "MEMORY_FORMATS", "INTERNAL", "DENY",
+           "UNMARKED_WRITES", "category", "refusal", "layout_extent",
            "TENSOR", "TENSOR_LIST", "SCALAR", "SCALAR_LIST", "LITERAL", "STRING", "DTYPE", "MEMORY_FORMAT",
            "LAYOUT", "DEVICE", "GENERATOR"]

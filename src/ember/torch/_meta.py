@@ -17,6 +17,7 @@ import torch
 
 from ..protocol import aten as A
 from ..server.execute import rnn_layer
+from . import _iter_layout
 from ._schema import OpInfo, call
 from ._storage import dtype_name
 
@@ -98,6 +99,9 @@ def _infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template:
                 "meta" in str(e).lower() and "kernel" in str(e).lower():
             raise DataDependent(str(e)) from None
         raise
+    if bufs is None and isinstance(res, torch.Tensor) and _iter_layout.elementwise(i.op, i.base) \
+            and not any(res is mt for mt in metas):  # a fresh output: laid out as CPU's TensorIterator lays it
+        res = _iterator_layout(i, values, mvalues, res)
     if evaluating:  # CPU and CUDA save no statistics in evaluation (the meta kernel sizes them)
         res = (res[0], *[torch.empty((0,), dtype=r.dtype, device="meta") for r in res[1:3]], *res[3:])
     plan = Plan()
@@ -159,6 +163,35 @@ def _infer(i: OpInfo, values: list[Any], operands: list[torch.Tensor], template:
             plan.grow.append((k, A.layout_extent(lay, _ITEMSIZE)))
     plan.kwargs = {"a": template, "l": layouts, "o": specs}
     return plan, flat
+
+
+def _iterator_layout(i: OpInfo, values: list[Any], mvalues: list[Any], res: torch.Tensor) -> torch.Tensor:
+    """``res`` (a meta kernel's output) in the layout CPU's TensorIterator gives it (``_iter_layout``)."""
+    operands = []
+    overload = i.name.rsplit(".", 1)[1]
+    for (name, cat, _k, _d), v, mv in zip(i.args, values, mvalues):
+        if cat == A.SCALAR and v is not None and _iter_layout.wraps_scalar(overload, name):
+            operands.append(((), (), 8))
+            continue
+        if cat != A.TENSOR or v is None:
+            continue
+        if isinstance(mv, torch.Tensor):
+            operands.append((tuple(mv.shape), tuple(mv.stride()), mv.element_size()))
+        elif isinstance(v, (bool, int, float, complex)):  # a wrapped number: a 0-d operand
+            operands.append(((), (), 8))
+    if not operands:
+        return res
+    if i.base in _iter_layout.SWAPPED:
+        operands.reverse()
+    if i.name == "aten.pow.Scalar":  # (a number to a tensor's power: CPU's output is contiguous)
+        shape, strides = tuple(res.shape), tuple(torch.empty(res.shape, device="meta").stride())
+    elif i.base in _iter_layout.LIKE_SELF and _iter_layout.like_self(*operands[0][:2]) is not None:
+        shape, strides = operands[0][0], operands[0][1]
+    else:
+        shape, strides = _iter_layout.output_strides(operands)
+    if shape != tuple(res.shape) or strides == tuple(res.stride()):
+        return res
+    return torch.empty_strided(shape, strides, dtype=res.dtype, device="meta")
 
 
 def _grouped_mm_meta(a: torch.Tensor, b: torch.Tensor, offs: Any = None, bias: Any = None,
@@ -262,8 +295,8 @@ _OWN_META = {"aten.mkldnn_rnn_layer.default": rnn_layer.meta_layer, "aten._group
              "aten.convolution.default": _as_on_cpu("aten.convolution.default"),
              "aten.convolution_backward.default": _as_on_cpu("aten.convolution_backward.default"),
              "aten.pixel_shuffle.default": _as_on_cpu("aten.pixel_shuffle.default"),
-             **{n: _as_on_cpu(n) for n in ("aten._fft_r2c.default", "aten.linalg_eig.default",
-                                           "aten._linalg_svd.default")},
+             **{n: _as_on_cpu(n) for n in ("aten._fft_r2c.default", "aten._fft_c2c.default", "aten._fft_c2r.default",
+                                           "aten.linalg_eig.default", "aten._linalg_svd.default")},
              **{n: _stats_as_on_cpu(n, params) for n, params in (
                  ("aten.native_layer_norm.default", (2, 3)), ("aten.native_group_norm.default", (1, 2)),
                  ("aten.native_batch_norm.default", (1, 2, 3, 4)),

@@ -19,6 +19,7 @@ another session's stream nor the process-wide one.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Callable
 
@@ -29,6 +30,7 @@ from . import device_gaps, internal_calls, positions, rnn_cells, rnn_layer, rnn_
 from .backends import UnknownOp
 from .eager import GENERIC, plan_for
 from .session_random import SessionRandom
+from .tight import is_tight, tight
 
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in A.DTYPES if isinstance(getattr(torch, n, None),
                                                                                       torch.dtype)}
@@ -169,6 +171,8 @@ class AtenKernel:
             and not self.resize
         #: no resize, no RNN layer (a loop over time): on small operands, bounded enough for a caller's own thread
         self.bounded = not self.resize and self.special is None
+        #: elementwise (a TensorIterator kernel): its outputs are its operands' broadcast (:meth:`check_outputs`)
+        self.pointwise = torch.Tag.pointwise in op.tags and not name.split(".")[1].startswith("_foreach_")
         #: the session's call shapes bound once (:mod:`.eager`), for an overload that writes no operand and
         #: needs no position check; else None
         self.plans = None if self.resize or self.check is not None or any(marked) or self.special is not None \
@@ -204,6 +208,7 @@ class AtenKernel:
                     return r
         dev = self.device
         tensors = [operand(b, lay, dev) for b, lay in zip(bufs, l)]
+        self.check_outputs(l, o)
         args, kwargs, before = self._bind(a, tensors, scalars)
         res = self.run(args, kwargs)
         dynamic = o is None  # data-dependent: the outputs (a written one cloned) are taken before zeroing
@@ -215,6 +220,17 @@ class AtenKernel:
                 self._zero_growth(t, nbytes)
             self.respan(bufs)
         return stored if dynamic else self._results(res, o, tensors)
+
+    def check_outputs(self, layouts: list[Any], specs: Any) -> None:
+        """An elementwise call's declared outputs hold its operands' broadcast: memory is charged by the outputs the
+        client declares, and three operands of 4,096 elements broadcast to 1 GiB (the result, refused after it ran,
+        had already been allocated past the session's budget)."""
+        if self.pointwise and specs and layouts:
+            want = A.broadcast_numel(layouts)
+            for spec in specs:
+                if type(spec) is list and len(spec) == 6 and type(spec[1]) is list and math.prod(spec[1]) < want:
+                    raise ValueError(f"{self.name}: an output of {spec[1]} declared where its operands broadcast to "
+                                     f"{want} elements")
 
     def run(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
         """The kernel itself (on the session's random stream when it draws), after the position check of
@@ -387,6 +403,7 @@ class AtenKernel:
             elif isinstance(r, torch.Tensor):
                 if any(o.untyped_storage().data_ptr() == r.untyped_storage().data_ptr() for o in operands):
                     r = r.clone()
+                r = tight(r)
                 desc += [r.dim(), *r.shape, *r.stride(), r.storage_offset(), A.DTYPES.index(str(r.dtype)[6:])]
                 out.append(as_storage(r))
             else:
@@ -414,8 +431,8 @@ class AtenKernel:
         st = r.untyped_storage()
         if ptrs is None:
             ptrs = {o.untyped_storage().data_ptr() for o in operands}
-        if list(r.stride()) == stride and r.storage_offset() == offset and st.nbytes() >= nbytes \
-                and st.data_ptr() not in ptrs:
+        if list(r.stride()) == stride and r.storage_offset() == offset and st.nbytes() == nbytes \
+                and st.data_ptr() not in ptrs and is_tight(r):
             return as_storage(r)
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         operand(buf, layout, self.device).copy_(r)

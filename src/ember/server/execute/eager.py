@@ -41,6 +41,7 @@ from ...protocol import aten as A
 from ...protocol.codec import packb
 from .program import TYPED, span
 from .step_maker import _maker, _scalar_count, _slot
+from .tight import is_tight
 
 #: Call shapes one session remembers (a few per overload in real code; the cache starts over when full).
 MAX_PLANS = 512
@@ -65,6 +66,7 @@ class EagerPlan:
         for lay in lays:
             need = A.layout_extent(lay, itemsize)  # raises on a malformed layout: no plan, the generic path
             self.lays.append((dtypes[lay[3]], lay[2], list(lay[0]), list(lay[1]), need))
+        k.check_outputs(lays, specs)  # (raises: the generic path, which says why)
         marks = [torch.empty(0, device="cpu") for _ in lays]  # bound once with markers, as Program._lower does
         self.n_scal = _scalar_count(k, a, A)
         smarks = [float(j) + 0.5 for j in range(self.n_scal)]
@@ -129,7 +131,8 @@ class EagerPlan:
             if type(r) is _Tensor and r.dtype is dt and r.shape == size and r.stride() == stride \
                     and r.storage_offset() == off:
                 st = r.untyped_storage()
-                if st.nbytes() >= nb and st.data_ptr() not in ptrs:  # adopted: a flat uint8 value spanning it
+                if st.nbytes() == nb and st.data_ptr() not in ptrs and (r.is_contiguous() or is_tight(r)):
+                    # adopted (a storage holding nothing but r: tight.py): a flat uint8 value spanning it
                     stored.append(span(r, _as_storage, _uint8))  # (r itself when it spans all of its storage)
                     continue
             stored.append(k._store(r, spec, tensors))  # copies into the spec's layout, or says what is wrong

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ...errors import LimitExceeded, ProtocolError, to_wire
+from ...protocol import aten as A
 from ...protocol import codec, ops
 from ...protocol import messages as m
 from ...protocol.codec import safe_repr
@@ -240,6 +241,8 @@ class Interpreter(GraphReplay, Holdings, Answers):
         for lay in kw.get("l") or ():
             if math.prod(lay[0]) > INLINE_MAX_ELEMENTS:
                 return False
+        if A.broadcast_numel(kw.get("l") or ()) > INLINE_MAX_ELEMENTS:  # (three small operands may broadcast to 1 GiB)
+            return False
         for spec in outs:
             if math.prod(spec[1]) > INLINE_MAX_ELEMENTS or not 0 <= spec[5] <= INLINE_MAX_BYTES:
                 return False

@@ -362,6 +362,40 @@ def _fused_optimizer(op: str, per_param: tuple[str, ...], optional: tuple[str, .
 
 _ADAM = ("grads", "exp_avgs", "exp_avg_sqs")
 
+
+def _fft_dims(a: Named) -> None:
+    """``_fft_r2c`` / ``_fft_c2c`` / ``_fft_c2r``: the internal kernels take ``dim`` as given (no wrap, no check)."""
+    x, dims = a["self"], a["dim"]
+    if not isinstance(dims, (list, tuple)) or len(set(dims)) != len(dims) \
+            or any(type(d) is not int or not 0 <= d < x.dim() for d in dims):
+        _fail("fft", f"dims {str(dims)[:60]} must be distinct and within the input's {x.dim()} dims")
+    n = a.get("last_dim_size")
+    if n is not None and (type(n) is not int or n < 1):
+        _fail("fft", f"last_dim_size {n!r} must be positive")
+
+
+def _foreach_lists(a: Named) -> None:
+    """``_foreach_*``: every list (of tensors, of scalars) as long as the first (the kernels index the others by the
+    first's length)."""
+    lists = [v for v in a.values() if isinstance(v, (list, tuple))]
+    if lists and any(len(v) != len(lists[0]) for v in lists):
+        _fail("foreach", f"tensor lists of lengths {[len(v) for v in lists]} must be equally long")
+
+
+def _unfold_backward(a: Named) -> None:
+    """``unfold_backward``: the gradient of ``input.unfold(dim, size, step)``, its shape as that unfold's."""
+    g, sizes, dim, size, step = a["grad_in"], list(a["input_sizes"]), a["dim"], a["size"], a["step"]
+    n = len(sizes)
+    if not (type(dim) is int and -max(n, 1) <= dim < max(n, 1) and type(size) is int and type(step) is int
+            and size >= 1 and step >= 1 and all(type(k) is int and k >= 0 for k in sizes)):
+        _fail("unfold_backward", f"dim {dim!r}, size {size!r}, step {step!r} or sizes {sizes} out of range")
+    d = dim % max(n, 1)
+    length = sizes[d] if n else 1
+    if size > length:
+        _fail("unfold_backward", f"size {size} exceeds the dimension's {length}")
+    want = [*sizes[:d], (length - size) // step + 1, *sizes[d + 1:], size] if n else [(1 - size) // step + 1, size]
+    _shape("unfold_backward", "grad_in", g, want)
+
 #: Checks that read the operands' layouts (shapes, numels) and literal arguments only, never a value: a
 #: registered graph's step of such an op is checked once when its program is lowered (its layouts are the
 #: same at every replay) and then runs unchecked on the fast path (``step_maker._layouts_pass``).
@@ -396,6 +430,7 @@ CHECKS: dict[str, Check] = {
     "grid_sampler_2d_backward": _grid_backward, "grid_sampler_3d_backward": _grid_backward,
     "multi_margin_loss_backward": _margin_backward, "multilabel_margin_loss_backward": _margin_backward,
     "_grouped_mm": _grouped, "_scaled_grouped_mm": _grouped, "_scaled_grouped_mm_v2": _grouped,
+    "_fft_r2c": _fft_dims, "_fft_c2c": _fft_dims, "_fft_c2r": _fft_dims, "unfold_backward": _unfold_backward,
     **{name + suffix: check for name, check in (
         ("_fused_adam", _fused_optimizer("fused adam", _ADAM, ("max_exp_avg_sqs",), True)),
         ("_fused_adamw", _fused_optimizer("fused adamw", _ADAM, ("max_exp_avg_sqs",), True)),
@@ -407,7 +442,8 @@ CHECKS: dict[str, Check] = {
 
 def checker(op: Any) -> Callable[[list[Any], dict[str, Any]], None] | None:
     """The position check of ATen overload ``op`` on its bound ``(args, kwargs)``, or None."""
-    return bound(op, CHECKS.get(op._schema.name.split("::")[-1]))
+    name = op._schema.name.split("::")[-1]
+    return bound(op, CHECKS.get(name) or (_foreach_lists if name.startswith("_foreach_") else None))
 
 
 def bound(op: Any, check: Check | None) -> Callable[[list[Any], dict[str, Any]], None] | None:

@@ -480,7 +480,6 @@ class Program:
                     k.respan([b])
             flat = list(res) if isinstance(res, (tuple, list)) else [res]
             ptrs = None
-            extra = 0
             for (idx, size, stride, off, dtype, nb, spec), tro, oreg in fs.outs:
                 if idx >= len(flat):
                     k._results(res, fs.kw["o"], tensors)  # raises why
@@ -490,19 +489,13 @@ class Program:
                     s_ = r.untyped_storage()
                     if ptrs is None:
                         ptrs = {t.untyped_storage().data_ptr() for t in tensors}
-                    n = s_.nbytes()
-                    if n >= nb and s_.data_ptr() not in ptrs:
-                        if n > nb:
-                            exact = False
-                            extra += n - nb
-                        V[tro] = r
+                    if s_.nbytes() == nb and s_.data_ptr() not in ptrs and (r.is_contiguous()
+                                                                            or self.aten.is_tight(r)):
+                        V[tro] = r  # (a storage holding nothing but r: tight.py)
                         continue
                 exact = False
                 b = R[oreg] = k._store(r, spec, tensors)  # copies, zero-fills, or says what is wrong
                 V[tro] = self.aten.operand(b, spec[1:5], self.device)
-            if extra:
-                it.mem.charge(extra, lambda: f"{fs.name} outputs")
-                st.temps += extra
         except Exception as e:  # noqa: BLE001 - as the generic kernel fails: the op's poison
             return self._failed(it, R, V, st, fs, e)
         for idx, tro, d in fs.touts:

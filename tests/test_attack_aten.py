@@ -1,0 +1,130 @@
+"""ATen messages a hostile client crafts, each found by a sweep that attacked a live peer: one message that killed the
+peer (internal kernels that trust their arguments), a view in disguise that read other sessions' memory, a shrunken
+result whose storage held freed bytes, a layout that kept a core busy for ever, and a broadcast that blew past the
+budgets on the network loop. Each is refused or bounded now; a bystander session stays right."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ember  # noqa: E402
+import ember.array_api as xp  # noqa: E402
+from ember.array_api._array import RemoteArray  # noqa: E402
+from ember.errors import EmberError  # noqa: E402
+from ember.protocol import messages as m  # noqa: E402
+from ember.server import Server  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Server]:
+    srv = Server(["torch:cpu"], memory_limit="128MiB", session_memory="32MiB")
+    srv.listen_websocket("127.0.0.1", 0)
+    srv.start_in_thread()
+    yield srv
+    srv.close()
+
+
+def contig(shape: list[int], dtype: str) -> list:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return [list(shape), stride[::-1], 0, dtype]
+
+
+def attack(srv: Server, allocs: list[int], name: str, a: list, layouts: list, specs: list | None,
+           scalars: list | None = None) -> EmberError | None:
+    """Storages of ``allocs`` bytes, then one ``name`` call on them; what reading its first output (or, with none,
+    its second operand: what it writes) raises, None if it ran. A bystander session on its own connection must be
+    served before and after."""
+    bystander = ember.connect(srv.addresses[0])
+    held = xp.arange(5.0, device=bystander)
+    d = ember.connect(srv.addresses[0])
+    s = d.session
+    ids = [next(s.ids) for _ in allocs]
+    for tid, n in zip(ids, allocs):
+        s.record([m.OP, "torch.alloc", [], 0, [tid], {"n": n}])
+    outs = [next(s.ids) for _ in range(len(specs) if specs is not None else 4)]
+    s.record([m.OP, name, [scalars or [], *ids[:len(layouts)]], 1, outs, {"a": a, "l": layouts, "o": specs}])
+    try:
+        RemoteArray(outs[0] if outs else ids[1], (1,), xp.uint8, d, s).to_numpy()
+        err = None
+    except EmberError as e:
+        err = e
+    assert float(xp.sum(held)) == 10.0 and float(xp.sum(xp.arange(4.0, device=bystander))) == 6.0
+    d.close()
+    bystander.close()
+    return err
+
+
+CRASHERS = {  # (storages, overload, template, layouts, output specs): each one message killed the peer
+    "_cummax_helper": ([400000, 0, 0], "aten._cummax_helper.default", [0, 0, 0, 0],
+                       [contig([100000], "float32"), [[0], [1], 0, "float32"], [[0], [1], 0, "int64"]], []),
+    "_nnpack_spatial_convolution": ([64, 16], "aten._nnpack_spatial_convolution.default", [0, 0, None, [0, 0], [0, 0]],
+                                    [contig([1, 1, 4, 4], "float32"), contig([1, 1, 2, 2], "float32")],
+                                    [[0, [1, 1, 3, 3], [9, 9, 3, 1], 0, "float32", 36]]),
+    "_new_zeros_with_same_feature_meta": ([12, 24], "aten._new_zeros_with_same_feature_meta.default", [0, 0, 1000],
+                                          [contig([3], "float32"), contig([2, 3], "float32")], None),
+    "_dyn_quant_matmul_4bit": ([32, 16], "aten._dyn_quant_matmul_4bit.default", [0, 0, 0, 4, 4],
+                               [contig([2, 4], "float32"), contig([16], "uint8")],
+                               [[0, [2, 4], [4, 1], 0, "float32", 32]]),
+    "_fft_r2c past the dims": ([4], "aten._fft_r2c.default", [0, [0, 2], 0, True], [contig([1], "float32")], None),
+    "_foreach_copy of unequal lists": ([8, 4, 1], "aten._foreach_copy.default", [[0], [0, 0], False],
+                                       [contig([1, 1, 1, 1], "int64"), contig([1], "float32"), contig([1], "bool")],
+                                       None),
+    "_reshape_alias_copy past its storage": ([64], "aten._reshape_alias_copy.default", [0, [1 << 22], [1]],
+                                             [contig([8], "float64")], [[0, [1 << 22], [1], 0, "float64", 8 << 22]]),
+    "unfold_backward of a huge size": ([16], "aten.unfold_backward.default", [0, [4], 0, 1 << 20, 1],
+                                       [contig([4], "float32")], [[0, [4], [1], 0, "float32", 16]]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRASHERS))
+def test_internal_kernels_that_trust_their_arguments_are_refused_or_checked(peer: Server, case: str) -> None:
+    allocs, name, a, layouts, specs = CRASHERS[case]
+    err = attack(peer, allocs, name, a, layouts, specs)
+    assert err is not None and ("refused" in str(err) or "must" in str(err) or "exceeds" in str(err)), err
+
+
+def test_a_shrunken_result_s_storage_holds_nothing_else(peer: Server) -> None:
+    """``unique_consecutive`` shrinks its output in place: the peer stored the whole allocation, and reading it gave
+    uninitialised heap, another session's freed bytes among them. Now the storage is the result's 8 bytes."""
+    victim = ember.connect(peer.addresses[0])
+    secret = xp.asarray(np.frombuffer(b"SECRET!!" * 4096, dtype=np.uint8).copy(), device=victim)
+    (secret + 0).to_numpy()
+    victim.close()
+    d = ember.connect(peer.addresses[0])
+    s = d.session
+    n = 4096
+    x = xp.zeros((n * 8,), dtype=xp.uint8, device=d)
+    outs = [next(s.ids) for _ in range(4)]
+    s.record([m.OP, "aten.unique_consecutive.default", [[], x._id], 1, outs,
+              {"a": [0, False, False, None], "l": [contig([n], "int64")], "o": None}])
+    got = RemoteArray(outs[0], (n * 8,), xp.uint8, d, s).to_numpy()
+    assert got.size == 8 and not got.any()
+    d.close()
+
+
+def test_a_layout_of_too_many_elements_is_refused_at_once(peer: Server) -> None:
+    """A stride-0 layout of 2^62 elements on 8 bytes passed the extent check, and ``sum`` over it never ended."""
+    t0 = time.monotonic()
+    err = attack(peer, [8], "aten.sum.default", [0, None], [[[1 << 31, 1 << 31], [0, 0], 0, "float32"]],
+                 [[0, [], [], 0, "float32", 4]])
+    assert err is not None and "elements" in str(err) and time.monotonic() - t0 < 30
+
+
+def test_an_elementwise_call_must_declare_its_broadcast_output(peer: Server) -> None:
+    """Three operands of 4,096 elements broadcast to 1 GiB: with a one-element output declared, the call ran on the
+    network loop (stalling every session's round trip for seconds) and allocated past the memory budgets."""
+    err = attack(peer, [16384, 16384, 32], "aten.addcmul.default", [0, 0, 0, 1],
+                 [contig([4096, 1, 1], "float32"), contig([1, 4096, 1], "float32"), contig([1, 1, 8], "float32")],
+                 [[0, [1], [1], 0, "float32", 4]], [1.0])
+    assert err is not None and "broadcast" in str(err)
