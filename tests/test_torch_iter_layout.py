@@ -74,3 +74,15 @@ def test_n_dimensional_complex_ffts_are_laid_out_as_on_cpu() -> None:
         for f in (torch.fft.fftn, torch.fft.ifftn, torch.fft.irfftn, torch.fft.hfftn):
             want, got = f(x), f(x.to("ember"))
             assert got.stride() == want.stride() and torch.equal(got.cpu(), want)
+
+
+def test_lstsq_s_solution_is_laid_out_as_on_cpu() -> None:
+    """CPU's solution is column-major in each matrix, a view of a buffer of max(m, n) rows: a sum over it, and
+    ``view``, behave as there (the meta kernel made it contiguous)."""
+    torch.manual_seed(0)
+    for m, n in ((5, 3), (3, 5), (4, 4)):
+        a, b = torch.randn(3, m, n, dtype=torch.float64), torch.randn(3, m, 2, dtype=torch.float64)
+        want = torch.linalg.lstsq(a, b, driver="gelsd").solution
+        got = torch.linalg.lstsq(a.to("ember"), b.to("ember"), driver="gelsd").solution
+        assert got.stride() == want.stride() and torch.equal(got.cpu(), want)
+        assert torch.equal(got.sum().cpu(), want.sum())

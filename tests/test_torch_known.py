@@ -219,3 +219,19 @@ def test_an_upload_forgets_its_own_id_only(torch_peer: str) -> None:
         sid = ref_of(a).sid
         torch.zeros(sid, dtype=torch.uint8).to("ember")  # (its shape and byte count both equal a's id)
         assert int(a.sum()) == 10 and stats(dev) == (1, 0)
+
+
+def test_a_float_fill_is_known_and_its_bool_cast_too(torch_peer: str) -> None:
+    """BART-family decoders build ``torch.ones(batch, len)`` (float) as their mask and Hugging Face checks
+    ``mask.bool()`` before every forward: a fill is exact on every device, and so is a float cast to bool, so the
+    check asks the peer nothing (one round trip a generated token, and a captured step run eagerly, before).
+    Float arithmetic on it stays unknown."""
+    with ember.connect(torch_peer) as dev:
+        m = torch.ones(2, 7, device="ember")
+        z = torch.zeros(3, device="ember", dtype=torch.float64)
+        f = torch.full((4,), 0.1, device="ember")
+        assert bool(m.bool().all()) and not bool(z.bool().any()) and bool((f == 0.1).all())
+        assert torch.equal(f.cpu(), torch.full((4,), 0.1)) and torch.equal(m.cpu(), torch.ones(2, 7))
+        assert stats(dev)[1] == 0
+        assert float((f * 3).sum()) == float((torch.full((4,), 0.1) * 3).sum())
+        assert stats(dev)[1] == 1  # (arithmetic on a float: read from the peer)

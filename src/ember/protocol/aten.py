@@ -137,6 +137,10 @@ def refusal(name: str, arg_types: list[tuple[str, str]], return_types: list[str]
     if "_nested" in op:
         return (f"ATen op {name} makes or takes nested tensors, which Ember peers do not hold (ember tensors are "
                 "strided; nn.TransformerEncoder(enable_nested_tensor=False) keeps its padding mask dense)")
+    if ("quantiz" in op or "_obs_fq_" in op) and name not in DENY_EXCEPT:
+        return (f"ATen op {name} quantizes, which Ember peers do not hold (neither quantized tensors nor the fake-"
+                "quantize kernels of quantization-aware training); observers run, and a model calibrated on ember "
+                "converts on CPU")
     if DENY.search(op) and name not in DENY_EXCEPT:
         return f"ATen op {name} is refused on Ember peers (files, raw memory or unchecked access)"
     for arg, t in arg_types:

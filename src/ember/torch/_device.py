@@ -184,7 +184,9 @@ _ALWAYS_CLAIMED = frozenset({"aten::_conj", "aten::_neg_view",  # copies on embe
                             "aten::clone", "aten::_to_copy",  # their result stays on the operand's device
                             # a CPU kernel beside a composite for other devices, which rounds otherwise (Mish's
                             # gradient in half precision): one op, run by the peer's CPU kernel
-                            "aten::mish_backward", "aten::native_channel_shuffle"})
+                            "aten::mish_backward", "aten::native_channel_shuffle",
+                            # one op laid out as the CPU kernel lays it (_meta._lstsq_meta), not empty + .out
+                            "aten::linalg_lstsq"})
 _NOT_CLAIMED = frozenset({"aten::_print", "aten::is_same_size", "aten::_assert_tensor_metadata",
                           "aten::_functional_sym_constrain_range"})
 

@@ -31,6 +31,7 @@ from ._storage import StorageRef, dtype_name, live_session, new_tensor, set_layo
 
 _OP = m.OP
 _EXACT = _known.EXACT
+_FILLS = _known.FLOAT_FACTORIES
 _inference_mode = torch.is_inference_mode_enabled
 _cache: dict[Any, _meta.Plan] = {}
 #: The fast path's plans: (op info, per positional argument its layout or literal) -> (plan, defaults' scalars,
@@ -226,7 +227,8 @@ def _generic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             raise
         from ._across_peers import foreach_by_device
         return foreach_by_device(i, args, kwargs)
-    if i.exact and type(res) is _Tensor and res.dtype in _EXACT:  # (an integer result the client may know)
+    if i.exact and type(res) is _Tensor and (res.dtype in _EXACT or i.base in _FILLS):  # (a result the client
+        # may know: an integer one, or a fill)
         _known.follow(op, args, kwargs, res)
     return res
 

@@ -40,6 +40,10 @@ FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}
 FLOAT_EXACT_OPS = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite", "isposinf",
                              "isneginf", "signbit", "logical_not", "logical_and", "logical_or", "logical_xor",
                              "all", "any"})
+#: Overloads (by base name) whose float results are exact on every device: a fill. Their results are known (a
+#: BART-family decoder's ``torch.ones`` mask, checked through ``.bool()`` before every forward).
+FLOAT_FACTORIES = frozenset({"ones", "zeros", "full", "scalar_tensor", "ones_like", "zeros_like", "full_like",
+                             "new_ones", "new_zeros", "new_full"})
 #: A known storage is at most this many bytes, and a session knows at most MAX_ENTRIES of them.
 KNOWN_MAX = 1 << 14
 MAX_ENTRIES = 1024
@@ -85,7 +89,10 @@ def follow(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], res: torch.Te
     if res.untyped_storage().nbytes() > KNOWN_MAX:
         return
     base = getattr(op, "_opname", None)
-    kinds = EXACT | FLOATS if base in FLOAT_EXACT_OPS else EXACT
+    if res.dtype not in EXACT and base not in FLOAT_FACTORIES:
+        return
+    # (a float compared, or cast to bool -- x != 0 -- is the same on every device)
+    kinds = EXACT | FLOATS if base in FLOAT_EXACT_OPS or base == "_to_copy" and res.dtype is torch.bool else EXACT
     layout_only = base in LAYOUT_ONLY_OPS
     try:
         ca = [_on_cpu(a, known, s, kinds, layout_only) for a in args]
@@ -112,7 +119,7 @@ def remember(res: torch.Tensor, c: Any) -> None:
     r = getattr(res.untyped_storage(), "_ember", None)
     known = getattr(r.session, "known", None) if r is not None else None
     nb = res.untyped_storage().nbytes()
-    if known is None or r.pending is not None or len(known) >= MAX_ENTRIES or res.dtype not in EXACT \
+    if known is None or r.pending is not None or len(known) >= MAX_ENTRIES or res.dtype not in EXACT | FLOATS \
             or nb > KNOWN_MAX or res.storage_offset() or not _covers(res, nb) or type(c) is not torch.Tensor \
             or c.dtype is not res.dtype or c.shape != res.shape:
         return  # (the peer's bytes outside the result's layout are not the client's to know)

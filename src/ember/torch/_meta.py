@@ -194,6 +194,17 @@ def _iterator_layout(i: OpInfo, values: list[Any], mvalues: list[Any], res: torc
     return torch.empty_strided(shape, strides, dtype=res.dtype, device="meta")
 
 
+def _lstsq_meta(a: Any, b: Any, rcond: Any = None, driver: Any = None) -> Any:
+    """``linalg_lstsq``'s outputs laid out as CPU torch lays them (the solution column-major in each matrix, a view of
+    a buffer of ``max(m, n)`` rows), taken from CPU torch's own kernel on zeroed operands of the same layouts (once per
+    call shape: the plan is cached). torch's meta kernel makes the solution contiguous, and a sum over it rounded
+    otherwise; FakeTensor refuses the op."""
+    def cpu(t: Any) -> Any:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu").zero_()
+    out = torch.ops.aten.linalg_lstsq.default(cpu(a), cpu(b), rcond, driver=driver)
+    return tuple(torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta") for r in out)
+
+
 def _grouped_mm_meta(a: torch.Tensor, b: torch.Tensor, offs: Any = None, bias: Any = None,
                      out_dtype: Any = None) -> torch.Tensor:
     """``_grouped_mm``'s output as the devices make it. torch's meta kernel also checks CUDA's rules (bfloat16
@@ -304,6 +315,7 @@ _OWN_META = {"aten.mkldnn_rnn_layer.default": rnn_layer.meta_layer, "aten._group
                  ("aten._native_batch_norm_legit.no_stats", (1, 2)),
                  ("aten._native_batch_norm_legit_no_training.default", (1, 2, 3, 4)))},
              "aten.native_group_norm_backward.default": _group_norm_backward_meta,
+             "aten.linalg_lstsq.default": _lstsq_meta,
              "aten._weight_norm_interface.default": _weight_norm_meta,
              **{n: _embedding_bag_meta(n) for n in ("aten._embedding_bag.default",
                                                     "aten._embedding_bag_forward_only.default")},
