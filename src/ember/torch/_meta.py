@@ -201,8 +201,9 @@ def _lstsq_meta(a: Any, b: Any, rcond: Any = None, driver: Any = None) -> Any:
     otherwise; FakeTensor refuses the op."""
     def cpu(t: Any) -> Any:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu").zero_()
-    out = torch.ops.aten.linalg_lstsq.default(cpu(a), cpu(b), rcond, driver=driver)
-    return tuple(torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta") for r in out)
+    sol = torch.ops.aten.linalg_lstsq.default(cpu(a), cpu(b), rcond, driver=driver)[0]
+    out = torch.ops.aten.linalg_lstsq.default(a, b, rcond, driver=driver)  # (the rest as the meta kernel says: the
+    return (torch.empty_strided(sol.shape, sol.stride(), dtype=sol.dtype, device="meta"), *out[1:])  # full-rank sizes)
 
 
 def _grouped_mm_meta(a: torch.Tensor, b: torch.Tensor, offs: Any = None, bias: Any = None,
