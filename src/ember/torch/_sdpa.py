@@ -4,7 +4,7 @@ torch's composite picks its kernel through a C++ dispatch stub (``_fused_sdp_cho
 cannot fill, so on ember it would always take the math path. Here the choice is the peer's: on a torch CPU
 peer running this torch, CPU torch's own ``_fused_sdp_choice`` on CPU tensors of the same layouts, computed
 here (no round trip, and the caller's ``sdpa_kernel`` context counts, as it does locally); on any other peer,
-asked of it once per device, layout and scalars, then cached. A CPU peer then runs the same fused CPU kernel
+asked of it. Either is cached per device, layout, scalars (and, computed here, the kernel switches). A CPU peer then runs the same fused CPU kernel
 local torch runs (bit-equal).
 
 The kernel is registered on the autograd key and on the device's own key, so that ``torch.inference_mode``
@@ -39,18 +39,28 @@ def choice(op: Any, *args: Any, **kwargs: Any) -> Any:
     values = bound(i, args, kwargs)
     template, operands, refs, scalars, key = D._walk(i, values)
     dev = Dv.device_of(refs, i)
-    if Dv.cpu_peer(dev.info):  # this process's CPU torch decides as the peer's would, on the same layouts
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        from torch._subclasses.functional_tensor import disable_functional_mode
-        with disable_functional_mode(), unset_fake_temporarily():  # (real CPU tensors while torch.compile traces)
-            return op(*[_on_cpu(v) for v in args], **{k: _on_cpu(v) for k, v in kwargs.items()})
-    k = (op, id(dev), *key, *[(type(x), x) for x in scalars])
+    local = Dv.cpu_peer(dev.info)
+    k = (op, id(dev), *key, *[(type(x), x) for x in scalars], *(_flags() if local else ()))
     v = _choices.get(k)
     if v is None:
         if len(_choices) >= _CHOICES_MAX:
             _choices.clear()
-        v = _choices[k] = T.run_dynamic(i, operands, scalars, template, D.layouts_of(operands), values)
+        if local:  # this process's CPU torch decides as the peer's would, on the same layouts
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+            from torch._subclasses.functional_tensor import disable_functional_mode
+            with disable_functional_mode(), unset_fake_temporarily():  # (real CPU tensors while compile traces)
+                v = op(*[_on_cpu(v) for v in args], **{k: _on_cpu(v) for k, v in kwargs.items()})
+        else:
+            v = T.run_dynamic(i, operands, scalars, template, D.layouts_of(operands), values)
+        _choices[k] = v
     return v
+
+
+def _flags() -> tuple[Any, ...]:
+    """The process's attention-kernel switches (``sdpa_kernel`` sets them), which CPU torch's choice reads."""
+    C = torch._C
+    return (C._get_flash_sdp_enabled(), C._get_math_sdp_enabled(), C._get_mem_efficient_sdp_enabled(),
+            C._get_cudnn_sdp_enabled(), tuple(C._get_sdp_priority_order()))
 
 
 def _on_cpu(v: Any) -> Any:
