@@ -171,6 +171,7 @@ class AtenKernel:
             and not self.resize
         #: no resize, no RNN layer (a loop over time): on small operands, bounded enough for a caller's own thread
         self.bounded = not self.resize and self.special is None
+        self.foreach = name.split(".")[1].startswith("_foreach_")
         #: elementwise (a TensorIterator kernel): its outputs are its operands' broadcast (:meth:`check_outputs`)
         self.pointwise = torch.Tag.pointwise in op.tags and not name.split(".")[1].startswith("_foreach_")
         #: the session's call shapes bound once (:mod:`.eager`), for an overload that writes no operand and
@@ -341,6 +342,10 @@ class AtenKernel:
                              f"scalars sent, the template uses {ti} and {si}")
         if "pin_memory" in kwargs:
             kwargs["pin_memory"] = None
+        if self.foreach:  # (the kernels index every list by the first's length: each one as long)
+            lens = {len(v) for v in (*args, *kwargs.values()) if isinstance(v, list)}
+            if len(lens) > 1:
+                raise ValueError(f"{self.name}: its lists must be equally long, not {sorted(lens)}")
         return args, kwargs, before
 
     def _scalar_at(self, scalars: list[Any], k: int) -> Any:

@@ -374,14 +374,6 @@ def _fft_dims(a: Named) -> None:
         _fail("fft", f"last_dim_size {n!r} must be positive")
 
 
-def _foreach_lists(a: Named) -> None:
-    """``_foreach_*``: every list (of tensors, of scalars) as long as the first (the kernels index the others by the
-    first's length)."""
-    lists = [v for v in a.values() if isinstance(v, (list, tuple))]
-    if lists and any(len(v) != len(lists[0]) for v in lists):
-        _fail("foreach", f"tensor lists of lengths {[len(v) for v in lists]} must be equally long")
-
-
 def _unfold_backward(a: Named) -> None:
     """``unfold_backward``: the gradient of ``input.unfold(dim, size, step)``, its shape as that unfold's."""
     g, sizes, dim, size, step = a["grad_in"], list(a["input_sizes"]), a["dim"], a["size"], a["step"]
@@ -442,8 +434,7 @@ CHECKS: dict[str, Check] = {
 
 def checker(op: Any) -> Callable[[list[Any], dict[str, Any]], None] | None:
     """The position check of ATen overload ``op`` on its bound ``(args, kwargs)``, or None."""
-    name = op._schema.name.split("::")[-1]
-    return bound(op, CHECKS.get(name) or (_foreach_lists if name.startswith("_foreach_") else None))
+    return bound(op, CHECKS.get(op._schema.name.split("::")[-1]))
 
 
 def bound(op: Any, check: Check | None) -> Callable[[list[Any], dict[str, Any]], None] | None:
