@@ -121,7 +121,8 @@ def test_refused_aten_ops_never_run(dev: ember.Device, tmp_path: Any) -> None:
 BAD_LAYOUTS = [
     ([[4], [1], 1, "float32"], "reaches byte 20"),            # one element past the end
     ([[2, 2], [1, 4], 0, "float32"], "reaches byte 24"),      # a stride past the end
-    ([[1 << 40], [1], 0, "float32"], "reaches byte"),         # huge
+    ([[1 << 30], [1], 0, "float32"], "reaches byte"),         # huge
+    ([[1 << 40], [0], 0, "float32"], "over the"),             # too many elements (of one)
     ([[4], [-1], 3, "float32"], "non-negative"),              # negative stride
     ([[4], [1], -4, "float32"], "non-negative"),              # negative offset
     ([[4], [1], 0, "float128"], "unknown dtype"),
