@@ -84,6 +84,13 @@ CRASHERS = {  # (storages, overload, template, layouts, output specs): each one 
                                              [contig([8], "float64")], [[0, [1 << 22], [1], 0, "float64", 8 << 22]]),
     "unfold_backward of a huge size": ([16], "aten.unfold_backward.default", [0, [4], 0, 1 << 20, 1],
                                        [contig([4], "float32")], [[0, [4], [1], 0, "float32", 16]]),
+    "_native_multi_head_attention of 0 heads": (
+        [4 * 12] * 3 + [4 * 108, 4 * 18, 4 * 36, 4 * 6], "aten._native_multi_head_attention.default",
+        [0, 0, 0, 6, 0, 0, 0, 0, 0, None, False, True, None],
+        [contig(sh, "float32") for sh in ([1, 2, 6], [1, 2, 6], [1, 2, 6], [18, 6], [18], [6, 6], [6])],
+        [[0, [1, 2, 6], [12, 6, 1], 0, "float32", 48], [0, [0], [1], 0, "float32", 0]]),
+    "_transform_bias_rescale_qkv of 0 heads": ([48, 24], "aten._transform_bias_rescale_qkv.default", [0, 0, 0],
+                                               [contig([1, 2, 6], "float32"), contig([6], "float32")], None),
 }
 
 

@@ -374,6 +374,17 @@ def _fft_dims(a: Named) -> None:
         _fail("fft", f"last_dim_size {n!r} must be positive")
 
 
+def _heads(embed: str | None, heads: str) -> Check:
+    """The fused attention kernels (``nn.MultiheadAttention``'s and ``nn.TransformerEncoderLayer``'s inference fast
+    path) divide by the number of heads before any check: a positive count, dividing the embedding."""
+    def check(a: Named) -> None:
+        h = a[heads]
+        e = a[embed] if embed is not None else a["qkv"].shape[-1] // 3 if a["qkv"].dim() else 0
+        if type(h) is not int or h < 1 or type(e) is not int or e < 1 or e % h:
+            _fail("multi-head attention", f"{h!r} heads for an embedding of {e!r}: a positive count dividing it")
+    return check
+
+
 def _unfold_backward(a: Named) -> None:
     """``unfold_backward``: the gradient of ``input.unfold(dim, size, step)``, its shape as that unfold's."""
     g, sizes, dim, size, step = a["grad_in"], list(a["input_sizes"]), a["dim"], a["size"], a["step"]
@@ -423,6 +434,9 @@ CHECKS: dict[str, Check] = {
     "multi_margin_loss_backward": _margin_backward, "multilabel_margin_loss_backward": _margin_backward,
     "_grouped_mm": _grouped, "_scaled_grouped_mm": _grouped, "_scaled_grouped_mm_v2": _grouped,
     "_fft_r2c": _fft_dims, "_fft_c2c": _fft_dims, "_fft_c2r": _fft_dims, "unfold_backward": _unfold_backward,
+    "_native_multi_head_attention": _heads("embed_dim", "num_head"),
+    "_transformer_encoder_layer_fwd": _heads("embed_dim", "num_heads"),
+    "_transform_bias_rescale_qkv": _heads(None, "num_heads"),
     **{name + suffix: check for name, check in (
         ("_fused_adam", _fused_optimizer("fused adam", _ADAM, ("max_exp_avg_sqs",), True)),
         ("_fused_adamw", _fused_optimizer("fused adamw", _ADAM, ("max_exp_avg_sqs",), True)),
