@@ -175,3 +175,19 @@ def test_compiled_torch_func_grad_through_group_norm_runs() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150,
                        env={**__import__("os").environ, "EMBER_OFFLINE": "1"})
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_multihead_attention_s_inference_fast_path_equals_cpu() -> None:
+    """nn.MultiheadAttention in eval takes ``_native_multi_head_attention``, whose CPU kernel projects q, k and v with
+    one GEMM when they are one tensor: the peer saw three operands (6e-8 off); now one, and copies where CPU's were
+    different tensors of the same memory."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x, y = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    with torch.no_grad():
+        want = [m(x, x, x), m(x, y, y), m(x, x.detach(), x)]
+        m.to("ember")
+        xe, ye = x.to("ember"), y.to("ember")
+        got = [m(xe, xe, xe), m(xe, ye, ye), m(xe, xe.detach(), xe)]
+    for w, g in zip(want, got):
+        assert torch.equal(g[0].cpu(), w[0]) and torch.equal(g[1].cpu(), w[1])

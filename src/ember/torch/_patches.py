@@ -196,6 +196,7 @@ def _install_ops() -> None:
     S[aten._pin_memory.default] = _pin
     S[aten.record_stream.default] = lambda op, *a, **k: None
     S[aten._fused_sdp_choice.default] = _sdpa.choice
+    S[aten._native_multi_head_attention.default] = _sdpa.native_mha
     S[aten.clone.default] = S[aten._to_copy.default] = _on_its_device
     # ember tensors never carry torch's lazy conjugate/negative bits: conj() and _neg_view() copy
     S[aten._conj.default] = lambda op, x: D.kernel_generic(aten.conj_physical.default, x)

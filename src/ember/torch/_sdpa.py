@@ -4,8 +4,8 @@ torch's composite picks its kernel through a C++ dispatch stub (``_fused_sdp_cho
 cannot fill, so on ember it would always take the math path. Here the choice is the peer's: on a torch CPU
 peer running this torch, CPU torch's own ``_fused_sdp_choice`` on CPU tensors of the same layouts, computed
 here (no round trip, and the caller's ``sdpa_kernel`` context counts, as it does locally); on any other peer,
-asked of it. Either is cached per device, layout, scalars (and, computed here, the kernel switches). A CPU peer then runs the same fused CPU kernel
-local torch runs (bit-equal).
+asked of it. Either is cached per device, layout, scalars (and, computed here, the kernel switches). A CPU
+peer then runs the same fused CPU kernel local torch runs (bit-equal).
 
 The kernel is registered on the autograd key and on the device's own key, so that ``torch.inference_mode``
 (which skips autograd) picks as well; ``torch.func`` transforms and tracing tensors stand in as plain ember
@@ -106,9 +106,27 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = Non
         q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
 
 
+def native_mha(op: Any, q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+    """``_native_multi_head_attention`` (``nn.MultiheadAttention``'s inference fast path): the peer passes three
+    operands of one storage in one layout as one tensor, as CPU's kernel sees ``m(x, x, x)`` (one GEMM for q, k and
+    v; ``server/execute/device_gaps.py``); distinct tensors of the same memory go as copies, as CPU sees them."""
+    if not (q is k and k is v):
+        k = k.clone() if k is not q and _aliased(k, q) else k
+        v = v.clone() if v is not q and v is not k and (_aliased(v, q) or _aliased(v, k)) else v
+    return D.kernel_generic(op, q, k, v, *args, **kwargs)
+
+
+def _aliased(a: Any, b: Any) -> bool:
+    """Two tensors on one peer storage."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    r = getattr(a.untyped_storage(), "_ember", None)
+    return r is not None and r is getattr(b.untyped_storage(), "_ember", None)
+
+
 def register(lib: torch.library.Library) -> None:
     lib.impl("scaled_dot_product_attention", sdpa, "AutogradPrivateUse1")
     lib.impl("scaled_dot_product_attention", sdpa, "PrivateUse1")  # (inference mode skips the autograd key)
 
 
-__all__ = ["choice", "sdpa", "register"]
+__all__ = ["choice", "sdpa", "native_mha", "register"]

@@ -27,7 +27,25 @@ def _histc(op: Any) -> Callable[[list[Any], dict[str, Any]], Any]:
     return run
 
 
-_RUNNERS = {"aten::histc": _histc}
+def _self_attention(op: Any) -> Callable[[list[Any], dict[str, Any]], Any]:
+    """``_native_multi_head_attention(q, k, v, ...)``: CPU's kernel projects q, k and v with one GEMM when they are
+    one tensor (``is_same``), which rounds otherwise than three. The wire carries operands, not objects: three
+    operands of one storage in one layout are one tensor again (the client sends a copy where its three were
+    different tensors of the same memory: ``ember.torch._sdpa``)."""
+    def run(args: list[Any], kwargs: dict[str, Any]) -> Any:
+        q, k, v = args[:3]
+        if all(isinstance(t, torch.Tensor) for t in (q, k, v)) and _same(q, k) and _same(q, v):
+            args = [q, q, q, *args[3:]]
+        return op(*args, **kwargs)
+    return run
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.dtype is b.dtype \
+        and a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+
+
+_RUNNERS = {"aten::histc": _histc, "aten::_native_multi_head_attention": _self_attention}
 
 
 def runner(op: Any) -> Callable[[list[Any], dict[str, Any]], Any] | None:
