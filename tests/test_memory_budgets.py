@@ -152,6 +152,7 @@ def test_the_device_budget_is_shared_and_one_client_freeing_lets_another_in(make
         y.to_numpy()
     del big
     float(xp.sum(xp.ones(2, device=a)))  # the drop reaches the peer
+    assert wait_until(lambda: srv.memory_held() < 16 << 20)  # (its release lands on a loaded box a moment later)
     y = xp.ones((4 << 20,), device=b)
     assert float(xp.sum(y)) == 4 << 20
     a.close(), b.close()
