@@ -32,6 +32,7 @@ from ._storage import StorageRef, dtype_name, live_session, new_tensor, set_layo
 _OP = m.OP
 _EXACT = _known.EXACT
 _FILLS = _known.FLOAT_FACTORIES
+_graph_task = torch._C._current_graph_task_id
 _inference_mode = torch.is_inference_mode_enabled
 _cache: dict[Any, _meta.Plan] = {}
 #: The fast path's plans: (op info, per positional argument its layout or literal) -> (plan, defaults' scalars,
@@ -227,8 +228,9 @@ def _generic(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             raise
         from ._across_peers import foreach_by_device
         return foreach_by_device(i, args, kwargs)
-    if i.exact and type(res) is _Tensor and (res.dtype in _EXACT or i.base in _FILLS):  # (a result the client
-        # may know: an integer one, or a fill)
+    if i.exact and type(res) is _Tensor and (res.dtype in _EXACT or i.base in _FILLS and _graph_task() == -1):
+        # (a result the client may know: an integer one, or a fill outside a backward pass, whose own fills --
+        #  a loss's ones_like, a formula's zeros -- are never read and would cost every step)
         _known.follow(op, args, kwargs, res)
     return res
 
