@@ -182,6 +182,18 @@ def layout_extent(layout: Any, itemsizes: dict[str, int]) -> int:
     return (last + 1) * itemsizes[dtype]
 
 
+def dense(size: Any, stride: Any) -> bool:
+    """Whether a layout's elements fill a block of memory exactly once: torch's ``is_non_overlapping_and_dense``
+    (c10's rule: in some order of its dims, each stride the product of the sizes of the dims inside it; dims of
+    size 0 or 1 ignored)."""
+    expected = 1
+    for s, n in sorted((s, n) for n, s in zip(size, stride) if n >= 2):
+        if s != expected:
+            return False
+        expected *= n
+    return True
+
+
 def broadcast_numel(layouts: Any) -> int:
     """Elements of the broadcast of the layouts' sizes (as torch broadcasts: aligned from the last dim, each dim
     the largest), 0 if any is empty; an upper bound for incompatible sizes. Well-formed layouts only."""
@@ -201,7 +213,7 @@ def broadcast_numel(layouts: Any) -> int:
     return n
 
 
-__all__ = ["broadcast_numel", "MAX_ELEMENTS", "CATEGORY", "RETURNS", "DTYPES", "MEMORY_FORMATS", "INTERNAL", "DENY",
-           "UNMARKED_WRITES", "category", "refusal", "layout_extent",
+__all__ = ["broadcast_numel", "dense", "MAX_ELEMENTS", "CATEGORY", "RETURNS", "DTYPES", "MEMORY_FORMATS", "INTERNAL",
+           "DENY", "UNMARKED_WRITES", "category", "refusal", "layout_extent",
            "TENSOR", "TENSOR_LIST", "SCALAR", "SCALAR_LIST", "LITERAL", "STRING", "DTYPE", "MEMORY_FORMAT",
            "LAYOUT", "DEVICE", "GENERATOR"]

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ..protocol import aten as A
+
 #: Elementwise backward kernels with no ``pointwise`` tag whose CPU kernel iterates (grad, input) in that order.
 BACKWARDS = frozenset({"elu_backward", "softplus_backward", "hardtanh_backward", "hardswish_backward",
                        "hardsigmoid_backward", "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward",
@@ -24,17 +26,20 @@ BACKWARDS = frozenset({"elu_backward", "softplus_backward", "hardtanh_backward",
                        "leaky_relu_backward"})
 #: Kernels that iterate their two tensor operands in the other order: (input, grad).
 SWAPPED = frozenset({"threshold_backward", "leaky_relu_backward"})
-#: Elementwise ops CPU runs into ``empty_like(self)``: the input's own layout when it is dense (:func:`like_self`).
+#: Elementwise ops CPU runs into ``empty_like(self)``: the input's own layout when it is dense.
 LIKE_SELF = frozenset({"hardtanh"})
+#: Overloads whose CPU output is contiguous whatever the operands (a number to a tensor's power).
+CONTIGUOUS = frozenset({"aten.pow.Scalar"})
 #: Elementwise forward kernels with no ``pointwise`` tag.
 FORWARDS = frozenset({"hardswish"})
 
 
 def elementwise(op: Any, base: str) -> bool:
     """Whether overload ``op`` (named ``base``) runs a TensorIterator kernel on CPU, its output laid out by the rule."""
-    return base in BACKWARDS or base in FORWARDS or (torch.Tag.pointwise in op.tags and not base.startswith("_foreach_")
-                                 and not base.endswith("_")
-                                 and base not in ("clone", "_to_copy", "copy"))
+    if base in BACKWARDS or base in FORWARDS:
+        return True
+    return torch.Tag.pointwise in op.tags and not base.startswith("_foreach_") and not base.endswith("_") \
+        and base not in ("clone", "_to_copy", "copy")
 
 
 def wraps_scalar(overload: str, arg: str) -> bool:
@@ -44,9 +49,19 @@ def wraps_scalar(overload: str, arg: str) -> bool:
     return arg == "other" and overload in ("Scalar", "Scalar_mode")
 
 
-def like_self(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...] | None:
-    """``empty_like(self)``'s strides for a dense ``self`` (its own, size-1 dims' included); None otherwise."""
-    return stride if _dense(shape, stride) else None
+def output_layout(name: str, base: str, operands: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> tuple[
+        tuple[int, ...], tuple[int, ...]]:
+    """(shape, strides) of the fresh output CPU gives overload ``name`` (base name ``base``) on ``operands``, in the
+    order of its arguments (see :func:`output_strides`): the rule, with its exceptions (:data:`SWAPPED`,
+    :data:`CONTIGUOUS`, :data:`LIKE_SELF`)."""
+    if base in SWAPPED:
+        operands = operands[::-1]
+    shape, strides = output_strides(operands)
+    if name in CONTIGUOUS:
+        return shape, _contiguous_strides(shape)
+    if base in LIKE_SELF and A.dense(*operands[0][:2]):  # (its own strides, size-1 dims' included)
+        return operands[0][0], operands[0][1]
+    return shape, strides
 
 
 def output_strides(operands: list[tuple[tuple[int, ...], tuple[int, ...], int]]) -> tuple[tuple[int, ...],
@@ -73,7 +88,7 @@ def output_strides(operands: list[tuple[tuple[int, ...], tuple[int, ...], int]])
             return shape, _contiguous_strides(shape)
         if ndim == 4 and all(_channels_last(s, st) for s, st, _ in operands):
             return shape, _channels_last_strides(shape)
-        if all(_dense(s, st) for s, st, _ in operands) and all(st == operands[0][1] for _, st, _ in operands):
+        if all(A.dense(s, st) for s, st, _ in operands) and all(st == operands[0][1] for _, st, _ in operands):
             return shape, operands[0][1]
     if ndim <= 1:
         return shape, _contiguous_strides(shape)
@@ -156,17 +171,5 @@ def _channels_last(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """``is_non_overlapping_and_dense()``."""
-    if 0 in shape:
-        return True
-    acc = 1
-    for s, n in sorted((s, n) for n, s in zip(shape, stride) if n != 1):
-        if s != acc:
-            return False
-        acc *= n
-    return True
-
-
-__all__ = ["elementwise", "output_strides", "wraps_scalar", "like_self", "BACKWARDS", "FORWARDS", "SWAPPED",
-           "LIKE_SELF"]
+__all__ = ["elementwise", "output_layout", "output_strides", "wraps_scalar", "BACKWARDS", "FORWARDS", "SWAPPED",
+           "LIKE_SELF", "CONTIGUOUS"]

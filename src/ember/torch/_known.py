@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..protocol import aten as A
 from ._storage import StorageRef
 
 #: dtypes whose arithmetic is exact on every device (the only ones known)
@@ -110,8 +111,7 @@ def follow(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], res: torch.Te
 def _covers(t: torch.Tensor, nbytes: int) -> bool:
     """Does ``t`` (at offset 0) cover each of its storage's ``nbytes`` exactly once (contiguous in some order of its
     dims: ``nonzero``'s column-major result too)?"""
-    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
-    return t.numel() * t.element_size() == nbytes == extent * t.element_size()
+    return t.numel() * t.element_size() == nbytes and A.dense(t.shape, t.stride())
 
 
 def remember(res: torch.Tensor, c: Any) -> None:
@@ -190,13 +190,15 @@ def _bytes(known: dict[int, Any], sid: int) -> Any:
     """The known bytes of ``sid`` as a CPU ``uint8`` tensor (made once from an upload's ``bytes``), or None."""
     k = known.get(sid)
     if type(k) is bytes:
-        k = known[sid] = torch.frombuffer(bytearray(k), dtype=torch.uint8) if k else torch.empty(0, dtype=torch.uint8, device="cpu")
+        k = known[sid] = torch.frombuffer(bytearray(k), dtype=torch.uint8) if k else \
+            torch.empty(0, dtype=torch.uint8, device="cpu")
     return k
 
 
 def _view(k: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``t``'s layout (dtype, size, stride, offset) over the known bytes ``k``, a CPU tensor."""
-    return torch.empty(0, dtype=t.dtype, device="cpu").set_(k.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    return torch.empty(0, dtype=t.dtype, device="cpu").set_(k.untyped_storage(), t.storage_offset(), t.shape,
+                                                            t.stride())
 
 
 def value(t: torch.Tensor, r: StorageRef) -> torch.Tensor | None:

@@ -181,14 +181,7 @@ def _iterator_layout(i: OpInfo, values: list[Any], mvalues: list[Any], res: torc
             operands.append(((), (), 8))
     if not operands:
         return res
-    if i.base in _iter_layout.SWAPPED:
-        operands.reverse()
-    if i.name == "aten.pow.Scalar":  # (a number to a tensor's power: CPU's output is contiguous)
-        shape, strides = tuple(res.shape), tuple(torch.empty(res.shape, device="meta").stride())
-    elif i.base in _iter_layout.LIKE_SELF and _iter_layout.like_self(*operands[0][:2]) is not None:
-        shape, strides = operands[0][0], operands[0][1]
-    else:
-        shape, strides = _iter_layout.output_strides(operands)
+    shape, strides = _iter_layout.output_layout(i.name, i.base, operands)
     if shape != tuple(res.shape) or strides == tuple(res.stride()):
         return res
     return torch.empty_strided(shape, strides, dtype=res.dtype, device="meta")

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..protocol import aten as A
 from . import _devices as Dv
 from . import _dispatch as D
 from . import _known
@@ -113,17 +114,7 @@ def _plain_upload(self: torch.Tensor, kwargs: dict[str, Any]) -> bool:
         set(kwargs) <= _UPLOAD_KWARGS and (
             self.is_contiguous() and fmt in (None, torch.preserve_format, torch.contiguous_format)
             or fmt is torch.contiguous_format
-            or fmt in (None, torch.preserve_format) and self.dim() < 4 and not _dense(self))
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """torch's "non-overlapping and dense": some order of its dims (of size > 1) is contiguous."""
-    expected = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+            or fmt in (None, torch.preserve_format) and self.dim() < 4 and not A.dense(self.shape, self.stride()))
 
 
 _UPLOAD_KWARGS = frozenset({"dtype", "layout", "device", "pin_memory", "non_blocking", "memory_format"})

@@ -47,8 +47,8 @@ _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 
 def _transformed() -> bool:
     """``torch.func`` transforms or forward-mode AD are on: ember's own RNN kernels (a layer per peer call, the
-    fused cells) have no rules for them, so torch's plain-op decompositions run instead (differentiable every way;
-    they may round otherwise than CPU's composite)."""
+    fused cells) have no rules for them, so CPU's cells run in plain ops instead (:data:`_PLAIN_STEPS`,
+    differentiable every way)."""
     return torch._C._are_functorch_transforms_active() or _fwd_ad._current_level >= 0
 
 
@@ -86,19 +86,15 @@ def lstm(input: Tensor, hx: list[Tensor], params: list[Tensor], has_biases: bool
          dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``aten::lstm.input`` on ember tensors (see the module's docstring)."""
     per, dirs = 4 if has_biases else 2, 2 if bidirectional else 1
-    if _fwd_ad._current_level >= 0 and len(hx) == 2 and hx[0].shape[2] == hx[1].shape[2]:  # (no projections;
-        # torch.func's transforms take oneDNN's layer, as on CPU)
-        pairs = list(zip(hx[0].unbind(0), hx[1].unbind(0)))
-        out, last = _stack(_lstm_plain_step, input, pairs, params, has_biases, num_layers, dropout, train,
-                           bidirectional, batch_first)
-        return out, torch.stack([h for h, _ in last], 0), torch.stack([c for _, c in last], 0)
+    args = (params, has_biases, num_layers, dropout, train, bidirectional, batch_first)
+    # forward AD: CPU's cells in plain ops (oneDNN's layer and the fused cells have no forward derivative; torch.func's
+    # other transforms take oneDNN's layer below, as CPU does)
+    if _fwd_ad._current_level >= 0 and len(hx) == 2 and hx[0].shape[2] == hx[1].shape[2]:  # (no projections)
+        return _lstm_stack(_lstm_plain_step, input, hx, *args)
     if not takes_onednn(input, hx, params, per * num_layers * dirs):
         if len(hx) == 2 and _layers_ok(input, [*hx], params, per, num_layers * dirs) \
                 and hx[0].shape[2] == hx[1].shape[2]:  # (no projections)
-            pairs = list(zip(hx[0].unbind(0), hx[1].unbind(0)))
-            out, last = _stack(_lstm_step, input, pairs, params, has_biases, num_layers, dropout, train,
-                               bidirectional, batch_first)
-            return out, torch.stack([h for h, _ in last], 0), torch.stack([c for _, c in last], 0)
+            return _lstm_stack(_lstm_step, input, hx, *args)
         return aten.lstm.input._op_dk(_COMPOSITE, input, hx, params, has_biases, num_layers, dropout, train,
                                       bidirectional, batch_first)
     x = (input.transpose(0, 1) if batch_first else input).contiguous()
@@ -124,6 +120,12 @@ def lstm(input: Tensor, hx: list[Tensor], params: list[Tensor], has_biases: bool
             x = torch.dropout(x, dropout, True)
     out = x.transpose(0, 1) if batch_first else x
     return out, torch.stack(hy, 0), torch.stack(cy, 0)
+
+
+def _lstm_stack(step: Any, input: Tensor, hx: list[Tensor], *args: Any) -> tuple[Tensor, Tensor, Tensor]:  # noqa: A002
+    """``nn.LSTM`` as :func:`_stack` of cells ``step``: (output, final hidden states, final cell states)."""
+    out, last = _stack(step, input, list(zip(hx[0].unbind(0), hx[1].unbind(0))), *args)
+    return out, torch.stack([h for h, _ in last], 0), torch.stack([c for _, c in last], 0)
 
 
 def _layers_ok(input: Tensor, hx: list[Tensor], params: list[Tensor], per: int, n_hidden: int) -> bool:  # noqa: A002
@@ -259,8 +261,9 @@ class _PeerLayer(torch.autograd.Function):
 
     @staticmethod
     def _differentiable(ctx: Any, g_out: Tensor | None, g_hn: Tensor | None) -> tuple[Any, ...]:
-        """The backward as a differentiable function of the saved operands: torch's layer composite on them, then
-        ``autograd.grad`` with ``create_graph``, so a second derivative flows back to them (CPU torch's graph)."""
+        """The backward as a differentiable function of the saved operands: the layer recomputed here from them in
+        CPU's plain cells (:data:`_PLAIN_STEPS`), then ``autograd.grad`` with ``create_graph``, so that a second
+        derivative flows back to them."""
         name, has_biases, bidirectional, grads = ctx.layer
         x, hx, *params = ctx.saved_tensors
         out = _stack(_PLAIN_STEPS[name], x, list(hx.unbind(0)), params, has_biases, 1, 0.0, False, bidirectional,

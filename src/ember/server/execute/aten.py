@@ -30,7 +30,7 @@ from . import device_gaps, internal_calls, positions, rnn_cells, rnn_layer, rnn_
 from .backends import UnknownOp
 from .eager import GENERIC, plan_for
 from .session_random import SessionRandom
-from .tight import is_tight, tight
+from .tight import adoptable, tight
 
 DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in A.DTYPES if isinstance(getattr(torch, n, None),
                                                                                       torch.dtype)}
@@ -173,7 +173,7 @@ class AtenKernel:
         self.bounded = not self.resize and self.special is None
         self.foreach = name.split(".")[1].startswith("_foreach_")
         #: elementwise (a TensorIterator kernel): its outputs are its operands' broadcast (:meth:`check_outputs`)
-        self.pointwise = torch.Tag.pointwise in op.tags and not name.split(".")[1].startswith("_foreach_")
+        self.pointwise = torch.Tag.pointwise in op.tags and not self.foreach
         #: the session's call shapes bound once (:mod:`.eager`), for an overload that writes no operand and
         #: needs no position check; else None
         self.plans = None if self.resize or self.check is not None or any(marked) or self.special is not None \
@@ -433,11 +433,9 @@ class AtenKernel:
         if list(r.shape) != size or r.dtype is not DTYPES[dtype]:
             raise RuntimeError(f"{self.name} returned {tuple(r.shape)} {r.dtype} on the peer where the client "
                                f"inferred {tuple(size)} {dtype}")
-        st = r.untyped_storage()
         if ptrs is None:
             ptrs = {o.untyped_storage().data_ptr() for o in operands}
-        if list(r.stride()) == stride and r.storage_offset() == offset and st.nbytes() == nbytes \
-                and st.data_ptr() not in ptrs and is_tight(r):
+        if list(r.stride()) == stride and r.storage_offset() == offset and adoptable(r, nbytes, ptrs):
             return as_storage(r)
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         operand(buf, layout, self.device).copy_(r)

@@ -41,7 +41,7 @@ from ...protocol import aten as A
 from ...protocol.codec import packb
 from .program import TYPED, span
 from .step_maker import _maker, _scalar_count, _slot
-from .tight import is_tight
+from .tight import adoptable
 
 #: Call shapes one session remembers (a few per overload in real code; the cache starts over when full).
 MAX_PLANS = 512
@@ -129,12 +129,9 @@ class EagerPlan:
                 return k._results(res, [o[6] for o in self.outs], tensors)  # raises why
             r = flat[idx]
             if type(r) is _Tensor and r.dtype is dt and r.shape == size and r.stride() == stride \
-                    and r.storage_offset() == off:
-                st = r.untyped_storage()
-                if st.nbytes() == nb and st.data_ptr() not in ptrs and (r.is_contiguous() or is_tight(r)):
-                    # adopted (a storage holding nothing but r: tight.py): a flat uint8 value spanning it
-                    stored.append(span(r, _as_storage, _uint8))  # (r itself when it spans all of its storage)
-                    continue
+                    and r.storage_offset() == off and adoptable(r, nb, ptrs):  # (a storage holding r alone)
+                stored.append(span(r, _as_storage, _uint8))  # a flat uint8 value spanning it (r itself if it spans all)
+                continue
             stored.append(k._store(r, spec, tensors))  # copies into the spec's layout, or says what is wrong
         return stored[0] if len(stored) == 1 else tuple(stored)
 

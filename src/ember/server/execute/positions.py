@@ -379,7 +379,10 @@ def _heads(embed: str | None, heads: str) -> Check:
     path) divide by the number of heads before any check: a positive count, dividing the embedding."""
     def check(a: Named) -> None:
         h = a[heads]
-        e = a[embed] if embed is not None else a["qkv"].shape[-1] // 3 if a["qkv"].dim() else 0
+        if embed is not None:
+            e = a[embed]
+        else:  # (qkv packs the three projections in its last dim)
+            e = a["qkv"].shape[-1] // 3 if a["qkv"].dim() else 0
         if type(h) is not int or h < 1 or type(e) is not int or e < 1 or e % h:
             _fail("multi-head attention", f"{h!r} heads for an embedding of {e!r}: a positive count dividing it")
     return check

@@ -486,12 +486,10 @@ class Program:
                 r = flat[idx]
                 if isinstance(r, torch.Tensor) and r.dtype is dtype and r.shape == size and r.stride() == stride \
                         and r.storage_offset() == off:
-                    s_ = r.untyped_storage()
                     if ptrs is None:
                         ptrs = {t.untyped_storage().data_ptr() for t in tensors}
-                    if s_.nbytes() == nb and s_.data_ptr() not in ptrs and (r.is_contiguous()
-                                                                            or self.aten.is_tight(r)):
-                        V[tro] = r  # (a storage holding nothing but r: tight.py)
+                    if self.aten.adoptable(r, nb, ptrs):  # (a storage holding nothing but r: tight.py)
+                        V[tro] = r
                         continue
                 exact = False
                 b = R[oreg] = k._store(r, spec, tensors)  # copies, zero-fills, or says what is wrong

@@ -9,7 +9,11 @@ session freed.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from ...protocol import aten as A
 
 
 def is_tight(t: torch.Tensor) -> bool:
@@ -19,14 +23,14 @@ def is_tight(t: torch.Tensor) -> bool:
     whole."""
     if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
         return False
-    if t.is_contiguous():
-        return True
-    expected = 1  # dense in some order of its dims: each stride the product of the sizes of the dims inside it
-    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+    return t.is_contiguous() or A.dense(t.shape, t.stride())
+
+
+def adoptable(t: torch.Tensor, nbytes: int, ptrs: Any) -> bool:
+    """Whether a kernel's result ``t`` becomes a session's storage of ``nbytes`` as it is: that storage is
+    ``nbytes``, shares no operand's memory (``ptrs``: their storages' addresses) and :func:`is_tight`."""
+    st = t.untyped_storage()
+    return st.nbytes() == nbytes and st.data_ptr() not in ptrs and is_tight(t)
 
 
 def tight(t: torch.Tensor) -> torch.Tensor:
@@ -39,4 +43,4 @@ def tight(t: torch.Tensor) -> torch.Tensor:
                                                                   t.stride()).copy_(t)
 
 
-__all__ = ["is_tight", "tight"]
+__all__ = ["is_tight", "tight", "adoptable"]
