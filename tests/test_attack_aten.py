@@ -135,3 +135,52 @@ def test_an_elementwise_call_must_declare_its_broadcast_output(peer: Server) -> 
                  [contig([4096, 1, 1], "float32"), contig([1, 4096, 1], "float32"), contig([1, 1, 8], "float32")],
                  [[0, [1], [1], 0, "float32", 4]], [1.0])
     assert err is not None and "broadcast" in str(err)
+
+
+@pytest.mark.parametrize("name", ["aten.mse_loss.default", "aten.huber_loss.default"])
+def test_a_loss_that_broadcasts_inside_is_charged_for_it_before_it_runs(peer: Server, name: str) -> None:
+    """A loss of a (4096, 1) input and a (1, 4096) target returns one number but holds 4096 x 4096 floats (64 MiB)
+    while it runs: past the session's 32 MiB budget, uncharged, found by a sweep (one message could make the peer
+    allocate any amount). The call is refused by the budget now, before it runs; a loss within the budget runs."""
+    extra = [1.0] if "huber" in name else []
+    a = [0, 0, 1, *([1] if extra else [])]  # (input, target, reduction=mean, delta)
+    spec = [[0, [], [], 0, "float32", 4]]
+    err = attack(peer, [16384, 16384], name, a, [contig([4096, 1], "float32"), contig([1, 4096], "float32")],
+                 spec, extra)
+    assert err is not None and "budget" in str(err), err
+    assert attack(peer, [2048, 2048], name, a, [contig([512, 1], "float32"), contig([1, 512], "float32")],
+                  spec, extra) is None
+
+
+def test_an_internal_kernel_no_client_sends_is_refused_by_name(peer: Server) -> None:
+    """ATen has some 700 internal kernels (``_...``), many written for one caller that checked their arguments first;
+    eight of them each crashed a peer with one message before they were denied by name one by one. A peer now runs
+    only the internal ops torch's public API or ember.torch sends (``protocol/aten_internal_ops.txt``): any other is
+    refused by name, the session and a bystander carry on."""
+    for name, a in (("aten._add_relu.Tensor", [0, 0, 1]), ("aten._compute_linear_combination.default", [0, 0])):
+        err = attack(peer, [16, 16], name, a, [contig([4], "float32"), contig([4], "float32")],
+                     [[0, [4], [1], 0, "float32", 16]], [1] if "relu" in name else None)
+        assert err is not None and "internal kernel" in str(err) and "aten_internal_ops.txt" in str(err), err
+
+
+def test_the_internal_ops_list_names_real_ops_and_what_ember_torch_sends() -> None:
+    from ember.protocol import aten as PA
+    listed = PA.internal_ops()
+    known = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")}
+    assert listed and listed <= known and all(n[0] == "_" and n[1] != "_" for n in listed)
+    sent = {"_to_copy", "_log_softmax", "_log_softmax_backward_data", "_softmax", "_foreach_add_", "_fused_adamw_",
+            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math", "_local_scalar_dense",
+            "_thnn_fused_lstm_cell", "_native_batch_norm_legit", "_embedding_bag", "_fft_r2c", "_unique2"}
+    assert sent <= listed, sent - listed
+    args = [("self", "Tensor"), ("other", "Tensor"), ("alpha", "number")]
+    why = PA.refusal("aten._add_relu.Tensor", args, ["Tensor"])
+    assert why is not None and "internal kernel" in why
+    assert PA.refusal("aten.add.Tensor", args, ["Tensor"]) is None
+
+
+def test_a_client_call_of_an_unlisted_internal_op_fails_at_the_call() -> None:
+    import ember.torch  # noqa: F401
+    a = torch.ones(3, device="ember")
+    with pytest.raises(NotImplementedError, match="internal kernel"):
+        torch.ops.aten._add_relu.Tensor(a, a)
+    assert torch.equal((a + a).cpu(), torch.full((3,), 2.0))

@@ -43,6 +43,8 @@ A complex scalar travels as ``[real, imag]``. Non-tensor results (``aten.equal``
 from __future__ import annotations
 
 import re
+from functools import lru_cache
+from importlib import resources
 from typing import Any
 
 (TENSOR, TENSOR_LIST, SCALAR, SCALAR_LIST, LITERAL, STRING, DTYPE, MEMORY_FORMAT, LAYOUT, DEVICE,
@@ -105,6 +107,21 @@ DENY_EXCEPT = frozenset({"aten.mkldnn_rnn_layer.default", "aten.mkldnn_rnn_layer
 the kernels CPU torch itself runs for ``nn.LSTM``, take and return plain strided tensors; the peer checks
 their operands' sizes against each other first (``server/execute/rnn_layer.py``)."""
 
+INTERNAL_OPS_FILE = "aten_internal_ops.txt"
+
+
+@lru_cache(maxsize=1)
+def internal_ops() -> frozenset[str]:
+    """The internal ATen ops (named ``_...``) a peer runs, any overload: those torch's public Python API sends a
+    device's kernel, forward and backward, and those ember.torch itself sends, as listed in
+    :data:`INTERNAL_OPS_FILE` beside this module (``bench/list_aten_ops.py`` makes it). An allowlist: ATen has some
+    700 internal kernels, many written for one caller that checked their arguments first (``_cummax_helper``
+    writes its input's length into the outputs as given); one not listed is refused by name, whatever
+    :data:`DENY` misses. Public ops are refused by :data:`DENY` and checked by the peer (``server/execute``)."""
+    text = resources.files(__package__).joinpath(INTERNAL_OPS_FILE).read_text()
+    return frozenset(w for w in (line.split("#")[0].strip() for line in text.splitlines()) if w)
+
+
 UNMARKED_WRITES = {"aten.native_batch_norm.default": frozenset({"running_mean", "running_var"})}
 """Overloads that write arguments their schema does not mark (by argument name): ``native_batch_norm`` updates
 its running statistics in place. Client and peer count them written: a read of them never overtakes the call
@@ -143,6 +160,10 @@ def refusal(name: str, arg_types: list[tuple[str, str]], return_types: list[str]
                 "converts on CPU")
     if DENY.search(op) and name not in DENY_EXCEPT:
         return f"ATen op {name} is refused on Ember peers (files, raw memory or unchecked access)"
+    if op[:1] == "_" and op[1:2] != "_" and op not in internal_ops():
+        return (f"ATen op {name} is refused on Ember peers: an internal kernel that neither torch's public API nor "
+                f"ember.torch sends a device (those run: ember/protocol/{INTERNAL_OPS_FILE}), and one named directly "
+                "may trust its arguments")
     for arg, t in arg_types:
         if category(t) is None:
             return f"ATen op {name} takes a {t} ({arg}), which Ember peers do not accept"
@@ -214,6 +235,6 @@ def broadcast_numel(layouts: Any) -> int:
 
 
 __all__ = ["broadcast_numel", "dense", "MAX_ELEMENTS", "CATEGORY", "RETURNS", "DTYPES", "MEMORY_FORMATS", "INTERNAL",
-           "DENY", "UNMARKED_WRITES", "category", "refusal", "layout_extent",
+           "DENY", "INTERNAL_OPS_FILE", "internal_ops", "UNMARKED_WRITES", "category", "refusal", "layout_extent",
            "TENSOR", "TENSOR_LIST", "SCALAR", "SCALAR_LIST", "LITERAL", "STRING", "DTYPE", "MEMORY_FORMAT",
            "LAYOUT", "DEVICE", "GENERATOR"]

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ...errors import LimitExceeded, ProtocolError
+from ...protocol import aten
 from ...protocol import messages as m
 from ...protocol import ops
 from ...protocol.codec import safe_repr
@@ -299,6 +300,34 @@ def declared_outputs(kwargs: Any) -> int:
     return n if n >= THRESHOLD else 0
 
 
+#: ATen ops whose kernels materialise their operands' broadcast while they run, whatever they return: a loss of an
+#: ``(n, 1)`` input and a ``(1, n)`` target holds ``n * n`` elements and returns one. The value: how many broadcasts
+#: (at the widest operand's itemsize) a call holds at most, measured on CPU torch 2.13 (``masked_select``: its mask
+#: expanded, its indices and its result).
+BROADCAST_INSIDE = {"mse_loss": 2, "mse_loss_backward": 2, "smooth_l1_loss": 2, "smooth_l1_loss_backward": 2,
+                    "huber_loss": 2, "huber_loss_backward": 2, "soft_margin_loss": 2, "soft_margin_loss_backward": 2,
+                    "binary_cross_entropy": 2, "binary_cross_entropy_backward": 2,
+                    "binary_cross_entropy_with_logits": 2, "dist": 2, "masked_select": 6}
+
+
+def inside_broadcast(name: str, kwargs: Any) -> int:
+    """Bytes an ATen call of :data:`BROADCAST_INSIDE` holds while it runs, beyond its operands and declared outputs
+    (0 for any other call, or operands that do not broadcast past the largest of them): charged before it runs,
+    as its declared outputs are, so that a small message cannot make the peer allocate past the session's budget."""
+    k = BROADCAST_INSIDE.get(name[5:name.find(".", 5)])
+    if k is None:
+        return 0
+    try:
+        lays = kwargs["l"]
+        n = aten.broadcast_numel(lays)
+        if n <= max(_prod(lay[0]) for lay in lays):
+            return 0
+        need = k * n * max(ITEMSIZE.get(lay[3], 16) for lay in lays)
+    except Exception:  # noqa: BLE001 - malformed layouts: the kernel's own checks refuse the call
+        return 0
+    return need if need >= THRESHOLD else 0
+
+
 PREDICTORS: dict[str, Callable[..., int]] = {name: _elementwise_for(name) for name in ops.ELEMENTWISE}
 PREDICTORS.update({
     "where": _elementwise_for("where"),
@@ -368,4 +397,5 @@ def predict(name: str, vals: Sequence[Any], kwargs: dict[str, Any] | None, xp: A
     return n if n >= THRESHOLD else 0
 
 
-__all__ = ["predict", "upload_fault", "custom_outputs", "declared_outputs", "PREDICTORS", "PREDICTED", "THRESHOLD", "ITEMSIZE"]
+__all__ = ["predict", "upload_fault", "custom_outputs", "declared_outputs", "inside_broadcast", "BROADCAST_INSIDE",
+           "PREDICTORS", "PREDICTED", "THRESHOLD", "ITEMSIZE"]
