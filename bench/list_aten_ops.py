@@ -5,7 +5,10 @@ A dispatch mode sits where a PrivateUse1 kernel sees calls (below autograd, afte
 decompositions) while torch's own test databases run on CPU: every OpInfo (forward, backward, double backward, a few
 dtypes), every ModuleInfo (train and eval), every optimizer (foreach, fused, for-loop), and the fused paths those miss
 (attention's inference fast paths, RNNs packed and not, interpolation's modes). Where an op has a
-CompositeExplicitAutograd kernel, ember's device runs that kernel and sees its inner calls: the mode runs it too.
+CompositeExplicitAutograd kernel, ember's device runs that kernel and sees its inner calls: the mode runs it too. Only
+ops the client can send are listed (``_sendable``): a composite it runs itself is never a message, and named in a
+crafted one would run on the peer with arguments no caller checked (``_pack_padded_sequence`` allocates
+``lengths[0]`` entries as given).
 
     python bench/list_aten_ops.py            # what the databases reach that the list lacks, and the reverse
     python bench/list_aten_ops.py --write --also RECORDED...   # add what is reached or recorded to the list
@@ -34,6 +37,25 @@ from ember.protocol.aten import DENY
 LIST = os.path.join(os.path.dirname(__file__), "..", "src", "ember", "protocol", "aten_internal_ops.txt")
 SEEN: set[str] = set()
 _CEA = torch._C.DispatchKey.CompositeExplicitAutograd
+
+
+def _sendable() -> set[str]:
+    """The ops ember.torch can send (by name): an overload that reaches its device's kernel (a backend kernel, no
+    composite one: a composite runs on the client, and a device sees its parts) or that it claims
+    (``_device._claimed_overloads``), and the composites the peer knows the client sends (``_IMPLICIT_SENT``)."""
+    from ember.server.execute.aten import _IMPLICIT_SENT
+    from ember.torch._device import _claimed_overloads
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    claimed = set(_claimed_overloads())
+    out = set(_IMPLICIT_SENT)
+    for name in torch._C._dispatch_get_all_op_names():
+        if name.startswith("aten::") and (name in claimed or not has(name, "CompositeImplicitAutograd") and not has(
+                name, "CompositeExplicitAutograd") and any(has(name, k) for k in ("CPU", "CUDA", _NONFUNCTIONAL))):
+            out.add(name[len("aten::"):].split(".")[0])
+    return out
+
+
+_NONFUNCTIONAL = "CompositeExplicitAutogradNonFunctional"
 
 
 def _internal(base: str) -> bool:
@@ -239,17 +261,21 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     for section in (opinfos, modules, optimizers, distributions, fused_paths):
         section()
-    reached = {b for b in SEEN if _internal(b)}
+    sendable = _sendable()
+    reached = {b for b in SEEN if _internal(b) and b in sendable}
     for path in a.also:
         reached |= {w.split(".")[1] for w in open(path).read().split() if w.startswith("aten.") and
                     _internal(w.split(".")[1])}
     lines = open(LIST).read().splitlines()
     header = [x for x in lines if x.startswith("#")]
     listed = {x.strip() for x in lines if x.strip() and not x.startswith("#")}
-    listed = {b for b in listed if _internal(b)}  # (what DENY refuses anyway leaves the list)
+    unsendable = sorted(b for b in listed if b not in sendable)
+    listed = {b for b in listed if _internal(b) and b in sendable}  # (what DENY refuses anyway leaves the list,
+    #                                                                  and what the client cannot send)
     print(f"reached: {len(reached)} internal ops; listed: {len(listed)}")
     print("reached, not listed:", " ".join(sorted(reached - listed)) or "none")
     print("listed, not reached (ember.torch's own, or recorded):", " ".join(sorted(listed - reached)) or "none")
+    print("listed, but ember.torch cannot send them (--write drops them):", " ".join(unsendable) or "none")
     if a.write:
         with open(LIST, "w") as f:
             f.write("\n".join([*header, *sorted(listed | reached)]) + "\n")

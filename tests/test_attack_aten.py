@@ -161,6 +161,10 @@ def test_an_internal_kernel_no_client_sends_is_refused_by_name(peer: Server) -> 
         err = attack(peer, [16, 16], name, a, [contig([4], "float32"), contig([4], "float32")],
                      [[0, [4], [1], 0, "float32", 16]], [1] if "relu" in name else None)
         assert err is not None and "internal kernel" in str(err) and "aten_internal_ops.txt" in str(err), err
+    # A composite the client runs itself (never a message): named in one, it allocated lengths[0] entries as given.
+    err = attack(peer, [120, 16], "aten._pack_padded_sequence.default", [0, 0, False],
+                 [contig([5, 2, 3], "float32"), contig([2], "int64")], None)
+    assert err is not None and "internal kernel" in str(err), err
 
 
 def test_the_internal_ops_list_names_real_ops_and_what_ember_torch_sends() -> None:
