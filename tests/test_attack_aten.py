@@ -188,3 +188,31 @@ def test_a_client_call_of_an_unlisted_internal_op_fails_at_the_call() -> None:
     with pytest.raises(NotImplementedError, match="internal kernel"):
         torch.ops.aten._add_relu.Tensor(a, a)
     assert torch.equal((a + a).cpu(), torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("name,a", [("aten.bincount.default", [0, None, 0]),
+                                    ("aten.repeat_interleave.Tensor", [0, None])])
+def test_an_output_sized_by_an_operand_s_values_is_charged_before_the_kernel_runs(peer: Server, name: str,
+                                                                                  a: list) -> None:
+    """``bincount`` of one int64 holding 2^24 allocates 2^24 bins (128 MiB) whatever the session's 32 MiB budget:
+    its output is data-dependent, charged once it existed (2^31 would have been 16 GiB: the peer's machine, every
+    session with it). The peer charges what the values ask for before the kernel runs; small values run."""
+    for value, ok in ((1 << 24, False), (100, True)):
+        bystander = ember.connect(peer.addresses[0])
+        d = ember.connect(peer.addresses[0])
+        s = d.session
+        sid = next(s.ids)
+        s.record([m.OP, "torch.alloc", [], 0, [sid], {"n": 8}])
+        fill = {"a": [0, 1], "l": [contig([1], "int64")], "o": []}
+        s.record([m.OP, "aten.fill_.Scalar", [[value], sid], 1, [], fill])
+        outs = [next(s.ids) for _ in range(2)]
+        s.record([m.OP, name, [[], sid], 1, outs, {"a": a, "l": [contig([1], "int64")], "o": None}])
+        try:
+            RemoteArray(outs[-1], (1,), xp.uint8, d, s).to_numpy()
+            err = None
+        except EmberError as e:
+            err = e
+        assert (err is None) == ok and (ok or "budget" in str(err) and "operands' values" in str(err)), err
+        assert float(xp.sum(xp.arange(4.0, device=bystander))) == 6.0
+        d.close()
+        bystander.close()

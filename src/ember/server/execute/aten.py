@@ -145,7 +145,7 @@ class AtenKernel:
     """One vetted overload: binds a message's template to the schema, runs it, stores the results."""
 
     def __init__(self, name: str, op: Any, device: torch.device, rng: SessionRandom,
-                 plans: dict[bytes, Any] | None = None) -> None:
+                 plans: dict[bytes, Any] | None = None, memory: Any = None) -> None:
         self.name, self.op, self.device, self.rng = name, op, device, rng
         args = op._schema.arguments
         self.args = [(a.name, A.category(str(a.real_type)), str(a.real_type), a.kwarg_only) for a in args]
@@ -165,6 +165,9 @@ class AtenKernel:
         #: a call CUDA takes and this CPU kernel refuses: device_gaps.py)
         self.special = rnn_layer.runner(op) or device_gaps.runner(op)
         self.unsafe_ok = self.check is not None and name.split(".")[1] in positions.UNSAFE_CHECKED
+        #: the bytes an op whose output is sized by operand values allocates (``positions.SIZED``), and the session's
+        #: memory it is charged to while the kernel runs
+        self.sized, self.memory = positions.sizer(op), memory
         #: elementwise or a reduction (work linear in its operands), no random stream, no resize: on small
         #: operands, cheap enough for the network loop (``x.sum().item()``, an accuracy's ``(p == y).sum()``)
         self.loop_ok = (torch.Tag.pointwise in op.tags or torch.Tag.reduction in op.tags) and not self.seeded \
@@ -177,7 +180,7 @@ class AtenKernel:
         #: the session's call shapes bound once (:mod:`.eager`), for an overload that writes no operand and
         #: needs no position check; else None
         self.plans = None if self.resize or self.check is not None or any(marked) or self.special is not None \
-            else plans
+            or self.sized is not None else plans
 
     def written(self, kwargs: Any) -> list[int]:
         """Positions (among the message's args: the scalar list, then the operands) of the operands this
@@ -240,9 +243,16 @@ class AtenKernel:
             self.check(args, kwargs)
         if THREADS[0] is not None:
             _follow_threads()
-        if self.special is not None:
-            return self.special(args, kwargs)
-        return self.draw(args, kwargs) if self.draw is not None else self.op(*args, **kwargs)
+        need = self.sized(args, kwargs) if self.sized is not None and self.memory is not None else 0
+        if need:
+            self.memory.charge(need, lambda: f"{self.name}'s output, sized by its operands' values")
+        try:
+            if self.special is not None:
+                return self.special(args, kwargs)
+            return self.draw(args, kwargs) if self.draw is not None else self.op(*args, **kwargs)
+        finally:
+            if need:
+                self.memory.release(need)
 
     def follow_and_call(self, call: Callable[[list[Any], list[Any]], Any], tensors: list[Any], S: list[Any]) -> Any:
         """A bound call (:mod:`.eager`) with this process's peer thread count, as :meth:`run` makes it."""
@@ -500,7 +510,7 @@ class AtenOps(dict):  # type: ignore[type-arg]
     def __init__(self, base: dict[str, Callable[..., Any]], device: torch.device, max_tensor: int,
                  memory: Any = None) -> None:
         super().__init__(base)
-        self.device = device
+        self.device, self.memory = device, memory
         self.rng = SessionRandom(device)
         self.plans: dict[bytes, Any] = {}  # eager call shapes bound once (eager.py), for all its kernels
         self.update(internal_ops(device, self.rng, max_tensor))
@@ -516,7 +526,7 @@ class AtenOps(dict):  # type: ignore[type-arg]
         op = _overload(p[1], p[2]) if len(p) == 3 else None
         fn: Callable[..., Any]
         if why is None:
-            fn = AtenKernel(name, op, self.device, self.rng, self.plans)
+            fn = AtenKernel(name, op, self.device, self.rng, self.plans, self.memory)
         elif op is not None:  # refused, but what it would write is known: that gets the poison
             fn = Refused(why, AtenKernel(name, op, self.device, self.rng).written)
         else:

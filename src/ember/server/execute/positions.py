@@ -402,6 +402,39 @@ def _unfold_backward(a: Named) -> None:
     want = [*sizes[:d], (length - size) // step + 1, *sizes[d + 1:], size] if n else [(1 - size) // step + 1, size]
     _shape("unfold_backward", "grad_in", g, want)
 
+def _bincount_bytes(a: Named) -> int:
+    """``bincount``'s output: ``max(self) + 1`` bins (at least ``minlength``), of 8 bytes at most."""
+    x, least = a.get("self"), a.get("minlength") or 0
+    top = int(x.max()) + 1 if isinstance(x, torch.Tensor) and x.numel() and not x.is_floating_point() else 0
+    return max(top, int(least), 0) * 8
+
+
+def _repeat_bytes(a: Named) -> int:
+    """``repeat_interleave``'s output: ``sum(repeats)`` repeats of a slice of ``self`` (of one int64 without it)."""
+    r, x = a.get("repeats"), a.get("self")
+    if not isinstance(r, torch.Tensor):  # (repeats is self, for the one-operand overload)
+        r, x = x, None
+    if not isinstance(r, torch.Tensor) or not r.numel() or r.is_floating_point():
+        return 0
+    per, item = 1, 8
+    if isinstance(x, torch.Tensor) and x.numel():
+        dim = a.get("dim")
+        per = x.numel() // max(1, x.shape[dim] if dim is not None and x.dim() else r.numel())
+        item = x.element_size()
+    return max(int(r.sum()), 0) * per * item
+
+
+#: Ops whose outputs' sizes come from operand *values*, not shapes: the bytes they allocate (an upper bound), charged
+#: to the session before the kernel runs (a crafted ``bincount`` of one int64 holding 2^31 made the peer allocate
+#: 16 GiB, whatever the session's budget; data-dependent results are charged once they exist).
+SIZED: dict[str, Callable[[Named], int]] = {"bincount": _bincount_bytes, "repeat_interleave": _repeat_bytes}
+
+
+def sizer(op: Any) -> Callable[[list[Any], dict[str, Any]], int] | None:
+    """The bytes ATen overload ``op`` allocates, from its bound ``(args, kwargs)``; None unless :data:`SIZED`."""
+    return bound(op, SIZED.get(op._schema.name.split("::")[-1]))
+
+
 #: Checks that read the operands' layouts (shapes, numels) and literal arguments only, never a value: a
 #: registered graph's step of such an op is checked once when its program is lowered (its layouts are the
 #: same at every replay) and then runs unchecked on the fast path (``step_maker._layouts_pass``).
@@ -454,17 +487,17 @@ def checker(op: Any) -> Callable[[list[Any], dict[str, Any]], None] | None:
     return bound(op, CHECKS.get(op._schema.name.split("::")[-1]))
 
 
-def bound(op: Any, check: Check | None) -> Callable[[list[Any], dict[str, Any]], None] | None:
+def bound(op: Any, check: Callable[[Named], Any] | None) -> Callable[[list[Any], dict[str, Any]], Any] | None:
     """``check`` (of named arguments) as a check of ``op``'s bound ``(args, kwargs)``; None for None."""
     if check is None:
         return None
     names = [a.name for a in op._schema.arguments if not a.kwarg_only]
 
-    def run(args: list[Any], kwargs: dict[str, Any]) -> None:
+    def run(args: list[Any], kwargs: dict[str, Any]) -> Any:
         named = dict(zip(names, args))
         named.update(kwargs)
-        check(named)
+        return check(named)
     return run
 
 
-__all__ = ["checker", "bound", "CHECKS", "UNSAFE_CHECKED", "LAYOUT_CHECKS", "PositionError"]
+__all__ = ["checker", "sizer", "bound", "CHECKS", "SIZED", "UNSAFE_CHECKED", "LAYOUT_CHECKS", "PositionError"]
