@@ -216,3 +216,33 @@ def test_an_output_sized_by_an_operand_s_values_is_charged_before_the_kernel_run
         assert float(xp.sum(xp.arange(4.0, device=bystander))) == 6.0
         d.close()
         bystander.close()
+
+
+@pytest.mark.parametrize("name,a,scalars", [("aten.zeros.default", [[1 << 26], None, None, None, None], []),
+                                            ("aten.randn.default", [[1 << 26], None, None, None, None], []),
+                                            ("aten.arange.default", [1, None, None, None, None], [1 << 26]),
+                                            ("aten.repeat.default", [0, [1 << 13, 1 << 13]], [])])
+def test_a_call_must_declare_the_outputs_it_makes(peer: Server, name: str, a: list, scalars: list) -> None:
+    """Memory is charged by the outputs a client declares, before the call runs: ``zeros([2**26])`` declared as one
+    float allocated 256 MiB in a 32 MiB session before its result was found to differ (2^32: 16 GiB, the peer's
+    machine). The overload's meta kernel now says what the call makes, before it runs; an honest call runs."""
+    one = [[0, [1], [1], 0, "float32", 4]]
+    lays = [contig([1, 1], "float32")] if "repeat" in name else []
+    err = attack(peer, [4] * len(lays), name, a, lays, one, scalars)
+    assert err is not None and "declared" in str(err), err
+    honest = {"aten.zeros.default": ([[1], None, None, None, None], []), "aten.randn.default": ([[1], None, None, None,
+              None], []), "aten.arange.default": ([1, None, None, None, None], [1]), "aten.repeat.default": (
+              [0, [1, 1]], [])}[name]
+    out = [[0, [1, 1] if "repeat" in name else [1], [1, 1] if "repeat" in name else [1], 0,
+            "int64" if "arange" in name else "float32", 8 if "arange" in name else 4]]
+    assert attack(peer, [4] * len(lays), name, honest[0], lays, out, honest[1]) is None
+
+
+def test_an_out_call_may_not_grow_what_it_writes(peer: Server) -> None:
+    """``repeat.out`` (or ``mm.out``) into a one-element ``out`` resized it to the product (256 MiB here) in a 32 MiB
+    session, charged only after it ran. A client sizes what it writes first, so the peer refuses the growth."""
+    err = attack(peer, [4, 4], "aten.repeat.out", [0, [1 << 13, 1 << 13], 0],
+                 [contig([1, 1], "float32"), contig([1], "float32")], [])
+    assert err is not None and "grow a written operand" in str(err), err
+    assert attack(peer, [4, 8], "aten.repeat.out", [0, [1, 2], 0],
+                  [contig([1, 1], "float32"), contig([1, 2], "float32")], []) is None

@@ -241,7 +241,8 @@ def test_a_pointwise_step_whose_scalars_each_replay_overrides_is_trusted_once_sh
     """An optimizer's bias corrections override a step's scalars at every replay: a pointwise step is trusted
     under overrides once one with scalars of the same types was exact (no per-replay check); a scalar of
     another type (int -> float: promotion) is checked again (and refused); arange's end (a scalar that shapes its result)
-    is never trusted so. Values and poison equal the generic replay's throughout."""
+    is never trusted so: it is a generic step, whose declared output is checked against what the end makes before each
+    call runs. Values and poison equal the generic replay's throughout."""
     i32 = [[4], [1], 0, "int32"]
     mul = {"a": [0, 1], "l": [i32], "o": [[0, [4], [1], 0, "int32", 16]]}
     ar = {"a": [1, "int64", None, None, None], "l": [], "o": [[0, [3], [1], 0, "int64", 24]]}
@@ -259,7 +260,7 @@ def test_a_pointwise_step_whose_scalars_each_replay_overrides_is_trusted_once_sh
             it.run_batch([[m.REPLAY, 5, [1], [10 + 2 * k, 11 + 2 * k], scal]])
             if program and k == 1:
                 prog = it.graphs.peek(5).program
-                assert prog.fast[0].otypes == (int,) and prog.fast[1].otypes is None
+                assert prog.fast[0].otypes == (int,) and prog.fast[1] is None
         results.append([(it.tensors[i].view(torch.int32 if i % 2 == 0 else torch.int64).tolist()
                          if i in it.tensors else it.poison[i].error["message"]) for i in range(10, 20)])
     assert results[0] == results[1]

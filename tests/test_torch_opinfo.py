@@ -65,7 +65,8 @@ def test_out_tensors_to_resize_keep_values_in_order() -> None:
 
 
 def test_peer_refuses_a_written_operand_its_kernel_reshapes() -> None:
-    """A raw message whose out= layout the kernel must reshape poisons the operand with the reason."""
+    """A raw message whose out= layout the kernel must reshape (grow, here) poisons the operand with the reason, before
+    the kernel runs."""
     from ember.torch._storage import ref_of
     x = torch.randn(3, 5, device="ember").t()
     out = torch.zeros(2, device="ember")
@@ -73,7 +74,7 @@ def test_peer_refuses_a_written_operand_its_kernel_reshapes() -> None:
     s = rx.session
     s.record([OP, "aten.abs.out", [[], rx.sid, ro.sid], 1, [],
               {"a": [0, 0], "l": [[[5, 3], [1, 5], 0, "float32"], [[0], [1], 0, "float32"]], "o": []}])
-    with pytest.raises(RemoteExecutionError, match="resized a written operand"):
+    with pytest.raises(RemoteExecutionError, match="grow a written operand"):
         out.cpu()
     assert (x + 1).cpu().shape == (5, 3)  # the session carries on
 

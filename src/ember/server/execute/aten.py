@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from ...protocol import aten as A
+from ...protocol.codec import packb
 from . import device_gaps, internal_calls, positions, rnn_cells, rnn_layer, rnn_recompute, sparse_mm
 from .backends import UnknownOp
 from .eager import GENERIC, plan_for
@@ -39,6 +40,8 @@ MEMORY_FORMATS = {n: getattr(torch, n) for n in A.MEMORY_FORMATS}
 
 
 _RESIZE = frozenset({"resize_", "resize_as_"})
+_SLACK = 1 << 16  # bytes a call's outputs may exceed its declared ones by, under its meta kernel (check_declared):
+#                   (kernels that disagree on an auxiliary output's size, as _LENIENT's do, are not refused)
 _LENIENT = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_embedding_bag",
                       "_embedding_bag_forward_only"})
 """Ops whose CPU kernel and meta kernel disagree on the size of an auxiliary output, one of them
@@ -168,6 +171,10 @@ class AtenKernel:
         #: the bytes an op whose output is sized by operand values allocates (``positions.SIZED``), and the session's
         #: memory it is charged to while the kernel runs
         self.sized, self.memory = positions.sizer(op), memory
+        #: call shapes whose declared outputs hold what the call makes (:meth:`check_declared`); an output shaped by
+        #: scalar values (``arange``'s end) is checked for each
+        self.declared_ok: set[bytes] = set()
+        self.value_shaped = name.split(".")[1] in ("arange", "range", "linspace", "logspace")
         #: elementwise or a reduction (work linear in its operands), no random stream, no resize: on small
         #: operands, cheap enough for the network loop (``x.sum().item()``, an accuracy's ``(p == y).sum()``)
         self.loop_ok = (torch.Tag.pointwise in op.tags or torch.Tag.reduction in op.tags) and not self.seeded \
@@ -213,6 +220,7 @@ class AtenKernel:
         dev = self.device
         tensors = [operand(b, lay, dev) for b, lay in zip(bufs, l)]
         self.check_outputs(l, o)
+        self.check_declared(a, tensors, scalars, o)
         args, kwargs, before = self._bind(a, tensors, scalars)
         res = self.run(args, kwargs)
         dynamic = o is None  # data-dependent: the outputs (a written one cloned) are taken before zeroing
@@ -235,6 +243,48 @@ class AtenKernel:
                 if type(spec) is list and len(spec) == 6 and type(spec[1]) is list and math.prod(spec[1]) < want:
                     raise ValueError(f"{self.name}: an output of {spec[1]} declared where its operands broadcast to "
                                      f"{want} elements")
+
+    def check_declared(self, a: list[Any], tensors: list[Any], scalars: list[Any], specs: Any) -> None:
+        """A call makes no more fresh output than the client declared, and grows no operand it writes: memory is
+        charged by declared outputs before a call runs, and ``zeros([2**32])`` declared as one float allocated
+        16 GiB before its result was found to differ (a factory's size, ``repeat``'s counts, an outer product:
+        outputs larger than the operands), as ``mm.out`` into a one-element ``out`` grew it to the product (a
+        client's ``out`` is sized first: an ``out=`` call it sends grows nothing). The overload's meta kernel tells,
+        on meta copies of the operands, once per call shape (per scalar values too, for ``arange``-like ops). A
+        call its meta kernel cannot size (none, or a data-dependent size) runs, its result checked after it ran."""
+        if not (specs or self.writes_any) or type(specs) is not list or self.special is not None or self.resize:
+            return
+        key = packb((a, [(t.shape, t.stride()) for t in tensors], specs, scalars if self.value_shaped else None))
+        if key in self.declared_ok:
+            return
+        metas = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in tensors]
+        try:
+            args, kwargs, written = self._bind(a, metas, scalars)
+            for j, (name, cat, _r, kwonly) in enumerate(self.args):
+                if cat == A.DEVICE or cat == A.GENERATOR:
+                    v = torch.device("meta") if cat == A.DEVICE else None
+                    if kwonly:
+                        kwargs[name] = v
+                    elif j < len(args):
+                        args[j] = v
+            res = self.op(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - no meta kernel, or a size only the values tell: checked after it runs
+            return
+        inputs = {m.untyped_storage()._cdata for m in metas}
+        made = sum(r.untyped_storage().nbytes() for r in (res if isinstance(res, (tuple, list)) else [res])
+                   if isinstance(r, torch.Tensor) and r.untyped_storage()._cdata not in inputs)
+        declared = sum(s[5] for s in specs if type(s) is list and len(s) == 6 and type(s[5]) is int and s[5] > 0)
+        if made > declared + _SLACK and self.name.split(".")[1] not in _LENIENT:  # (_LENIENT: meta and CPU
+            raise ValueError(f"{self.name}: the call makes {made} bytes of outputs where the client declared "
+                             f"{declared} (memory is charged by the declared outputs before a call runs)")
+        real = {id(m): t for m, t in zip(metas, tensors)}
+        for m, _n in written:
+            if m.untyped_storage().nbytes() > real[id(m)].untyped_storage().nbytes():
+                raise ValueError(f"{self.name}: the call would grow a written operand to {tuple(m.shape)} (a "
+                                 "client sizes what it writes first)")
+        if len(self.declared_ok) >= 256:
+            self.declared_ok.clear()
+        self.declared_ok.add(key)
 
     def run(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
         """The kernel itself (on the session's random stream when it draws), after the position check of

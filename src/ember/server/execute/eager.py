@@ -57,11 +57,12 @@ _VIEW = "_ember_typed"
 class EagerPlan:
     """One call shape of one overload, bound and checked once (see the module docstring)."""
 
-    __slots__ = ("call", "n_scal", "lays", "outs", "device", "scalar")
+    __slots__ = ("call", "n_scal", "lays", "outs", "device", "scalar", "a", "specs", "declared")
 
     def __init__(self, k: Any, a: list[Any], lays: list[Any], specs: list[Any], dtypes: dict[str, Any],
                  itemsize: dict[str, int], scalar: Any) -> None:
         self.device, self.scalar = k.device, scalar
+        self.a, self.specs, self.declared = a, specs, False  # (declared: the outputs hold what a call makes)
         self.lays = []
         for lay in lays:
             need = A.layout_extent(lay, itemsize)  # raises on a malformed layout: no plan, the generic path
@@ -121,6 +122,9 @@ class EagerPlan:
             S = [scalar(x) for x in scalars]
         except ValueError:
             return GENERIC
+        if not self.declared or k.value_shaped:
+            k.check_declared(self.a, tensors, scalars, self.specs)  # (raises: its outputs are poisoned, why said)
+            self.declared = True
         res = k.follow_and_call(self.call, tensors, S)
         flat = res if isinstance(res, (tuple, list)) else (res,)
         stored = []

@@ -152,13 +152,19 @@ class Program:
             return None
         for lay in lays:
             aten.A.layout_extent(lay, aten.ITEMSIZE)  # raises: generic
+        if fn.value_shaped:
+            return None  # (its outputs' sizes come from its scalars: the generic kernel checks them at each call)
+        n_scal = _scalar_count(fn, a, aten.A)
+        consts = g.scalars[sreg - n_in]
+        metas = [torch.empty_strided(lay[0], lay[1], dtype=aten.DTYPES[lay[3]], device="meta") for lay in lays]
+        fn.check_declared(a, metas, consts if type(consts) is list and len(consts) == n_scal else
+                          [float(j) + 0.5 for j in range(n_scal)], specs)  # raises: generic, which says why
         fs = FastStep()
         fs.i, fs.kernel, fs.name, fs.kw, fs.sreg, fs.oregs = i, fn, name, kw, sreg, oregs
         fs.trusted = False
         fs.otypes = None  # the scalars' types of an overriding replay it was shown exact under (then trusted so)
         # bind once with markers: each tensor slot a distinct empty tensor, each scalar a distinct float
         marks = [torch.empty(0, device="cpu") for _ in lays]
-        n_scal = _scalar_count(fn, a, aten.A)
         smarks = [float(j) + 0.5 for j in range(n_scal)]
         args, kwargs, before = fn._bind(a, marks, smarks)
         tid = {id(t): j for j, t in enumerate(marks)}
@@ -171,7 +177,6 @@ class Program:
         fs.wlays = [lays[j] for j in fs.wtrs]
         fs.trs = [(r, _key(lay)) for r, lay in zip(regs[1:], lays)]
         op = fn.op._op if fn.draw is None else None
-        consts = g.scalars[sreg - n_in]
         try:
             baked = [aten._scalar(x) for x in consts] if type(consts) is list and len(consts) == n_scal else None
         except ValueError:
