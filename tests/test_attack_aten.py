@@ -6,7 +6,7 @@ budgets on the network loop. Each is refused or bounded now; a bystander session
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -91,6 +91,14 @@ CRASHERS = {  # (storages, overload, template, layouts, output specs): each one 
         [[0, [1, 2, 6], [12, 6, 1], 0, "float32", 48], [0, [0], [1], 0, "float32", 0]]),
     "_transform_bias_rescale_qkv of 0 heads": ([48, 24], "aten._transform_bias_rescale_qkv.default", [0, 0, 0],
                                                [contig([1, 2, 6], "float32"), contig([6], "float32")], None),
+    # found by fuzzing the allowlisted peer (stop 40): internal kernels a client does send, trusting shapes
+    "_cholesky_solve_helper of another size": ([4, 65536], "aten._cholesky_solve_helper.default", [0, 0, False],
+                                               [contig([1, 1], "float32"), contig([128, 128], "float32")],
+                                               [[0, [1, 1], [1, 1], 0, "float32", 4]]),
+    "_weight_norm_interface with a short g": ([8000, 4], "aten._weight_norm_interface.default", [0, 0, 0],
+                                              [contig([500, 4], "float32"), contig([1], "float32")],
+                                              [[0, [500, 4], [4, 1], 0, "float32", 8000],
+                                               [1, [1], [1], 0, "float32", 4]]),
 }
 
 
@@ -246,3 +254,48 @@ def test_an_out_call_may_not_grow_what_it_writes(peer: Server) -> None:
     assert err is not None and "grow a written operand" in str(err), err
     assert attack(peer, [4, 8], "aten.repeat.out", [0, [1, 2], 0],
                   [contig([1, 1], "float32"), contig([1, 2], "float32")], []) is None
+
+
+def _filled(s: Any, n: int, value: Any, dtype: str) -> int:
+    sid = next(s.ids)
+    s.record([m.OP, "torch.alloc", [], 0, [sid], {"n": n * {"int64": 8, "float32": 4}[dtype]}])
+    s.record([m.OP, "aten.fill_.Scalar", [[value], sid], 1, [], {"a": [0, 1], "l": [contig([n], dtype)], "o": []}])
+    return sid
+
+
+def test_more_trusting_kernels_found_by_fuzzing_the_allowlisted_peer(peer: Server) -> None:
+    """Three more, each one message: repeats whose int64 sum wraps (4 x 2^62 sums to 0: repeat_interleave allocated
+    nothing and wrote four ranges; the peer died); CPU flash attention's backward with a one-element logsumexp (it
+    read 16 KiB past it and sent back gradients made of those bytes); CTC's log_alpha, partly written by its kernel
+    (the rest was freed heap: another session's bytes came back). The first two are refused, the third zeroed."""
+    victim = ember.connect(peer.addresses[0])
+    secret = xp.asarray(np.frombuffer(b"SECRET!!" * 2048, dtype=np.uint8).copy(), device=victim)
+    (secret + 0).to_numpy()
+    victim.close()
+    d = ember.connect(peer.addresses[0])
+    s = d.session
+    rep = _filled(s, 4, 1 << 62, "int64")
+    outs = [next(s.ids) for _ in range(2)]
+    s.record([m.OP, "aten.repeat_interleave.Tensor", [[], rep], 1, outs,
+              {"a": [0, None], "l": [contig([4], "int64")], "o": None}])
+    with pytest.raises(EmberError, match="repeats"):
+        RemoteArray(outs[-1], (1,), xp.uint8, d, s).to_numpy()
+    L, D = 256, 8
+    x, lse = _filled(s, L * D, 0.25, "float32"), _filled(s, 1, 0.0, "float32")
+    outs = [next(s.ids) for _ in range(3)]
+    spec = [[k, [1, 1, L, D], [L * D, L * D, D, 1], 0, "float32", L * D * 4] for k in range(3)]
+    s.record([m.OP, "aten._scaled_dot_product_flash_attention_for_cpu_backward.default", [[0.0], x, x, x, x, x, lse],
+              1, outs, {"a": [0, 0, 0, 0, 0, 0, 1, False, None, None],
+                        "l": [contig([1, 1, L, D], "float32")] * 5 + [contig([1, 1, 1], "float32")], "o": spec}])
+    with pytest.raises(EmberError, match="logsumexp"):
+        RemoteArray(outs[0], (1,), xp.uint8, d, s).to_numpy()
+    T, C, S = 512, 4, 1
+    W = 2 * S + 1
+    lp, tg = _filled(s, T * C, 0.0, "float32"), _filled(s, S, 1, "int64")
+    outs = [next(s.ids), next(s.ids)]
+    s.record([m.OP, "aten._ctc_loss.default", [[], lp, tg], 1, outs,
+              {"a": [0, 0, [1], [S], 0, False], "l": [contig([T, 1, C], "float32"), contig([1, S], "int64")],
+               "o": [[0, [1], [1], 0, "float32", 4], [1, [1, T, W], [T * W, W, 1], 0, "float32", T * W * 4]]}])
+    raw = RemoteArray(outs[1], (T * W * 4,), xp.uint8, d, s).to_numpy()
+    assert not raw.reshape(T, W * 4)[1:].any()  # (rows past the input's length: no kernel wrote them)
+    d.close()

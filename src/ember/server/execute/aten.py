@@ -165,8 +165,8 @@ class AtenKernel:
         #: operands whose values or sizes the CPU kernel trusts as memory positions: checked before it runs
         self.check = positions.checker(op) or rnn_layer.checker(op)
         #: how the kernel runs when not as ``op(*args, **kwargs)`` (the LSTM layer: in a grad mode, rnn_layer.py;
-        #: a call CUDA takes and this CPU kernel refuses: device_gaps.py)
-        self.special = rnn_layer.runner(op) or device_gaps.runner(op)
+        #: a call CUDA takes and this CPU kernel refuses: device_gaps.py; CTC's partly written log_alpha: positions.py)
+        self.special = rnn_layer.runner(op) or device_gaps.runner(op) or positions.ctc_written(op)
         self.unsafe_ok = self.check is not None and name.split(".")[1] in positions.UNSAFE_CHECKED
         #: the bytes an op whose output is sized by operand values allocates (``positions.SIZED``), and the session's
         #: memory it is charged to while the kernel runs
@@ -254,7 +254,8 @@ class AtenKernel:
         call its meta kernel cannot size (none, or a data-dependent size) runs, its result checked after it ran."""
         if not (specs or self.writes_any) or type(specs) is not list or self.special is not None or self.resize:
             return
-        key = packb((a, [(t.shape, t.stride()) for t in tensors], specs, scalars if self.value_shaped else None))
+        key = packb((a, [(t.shape, t.stride(), str(t.dtype)) for t in tensors], specs,
+                     scalars if self.value_shaped else None))
         if key in self.declared_ok:
             return
         metas = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in tensors]

@@ -255,6 +255,74 @@ def _weight_norm_backward(a: Named) -> None:
     _numel(op, "saved_norms", a["saved_norms"], n)
 
 
+def _weight_norm(a: Named) -> None:
+    """``_weight_norm_interface(v, g, dim)``: the CPU kernel writes ``v.size(dim)`` norms and reads as many ``g``."""
+    op, v, dim = "weight_norm", a["v"], int(a.get("dim", 0))
+    if not -v.dim() <= dim < max(v.dim(), 1):
+        _fail(op, f"dim {dim} is outside the weight's {v.dim()} dims")
+    _numel(op, "g", a["g"], v.size(dim) if v.dim() else 1, optional=False)
+
+
+def _cholesky_solve_helper(a: Named) -> None:
+    """``_cholesky_solve_helper(self, A, upper)``: LAPACK's potrs solves ``self``'s rows in place, trusting that they
+    are ``A``'s (the public ``cholesky_solve`` broadcasts and checks them first)."""
+    op, b, m = "cholesky_solve", a["self"], a["A"]
+    if m.dim() < 2 or m.size(-1) != m.size(-2) or b.dim() != m.dim() or b.shape[:-2] != m.shape[:-2] \
+            or b.size(-2) != m.size(-1):
+        _fail(op, f"self of shape {tuple(b.shape)} does not fit A of shape {tuple(m.shape)}")
+
+
+def _flash(a: Named) -> None:
+    """CPU flash attention indexes ``key``/``value`` by their length, with a whole number of query heads per key
+    head (GQA), and its mask by ``[batch, heads, L, S]``: each must fit the query."""
+    op, q, k, v, mask = "flash attention", a["query"], a["key"], a["value"], a.get("attn_mask")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.size(0) != q.size(0) or not k.size(1) \
+            or q.size(1) % k.size(1) or v.shape[:3] != k.shape[:3] or k.size(3) != q.size(3):
+        _fail(op, f"query {tuple(q.shape)}, key {tuple(k.shape)} and value {tuple(v.shape)} do not fit")
+    full = (*q.shape[:3], k.size(2))
+    if isinstance(mask, torch.Tensor):
+        try:
+            ok = torch.broadcast_shapes(mask.shape, full) == full
+        except RuntimeError:
+            ok = False
+        if not ok:
+            _fail(op, f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {full}")
+
+
+def _flash_backward(a: Named) -> None:
+    """Its backward also indexes ``out``, ``grad_out`` and ``logsumexp`` by the query's length: each must have the
+    shape the forward gave it."""
+    _flash(a)
+    op, q, v = "flash attention backward", a["query"], a["value"]
+    want = (*q.shape[:3], v.size(3))
+    _shape(op, "out", a["out"], want)
+    _shape(op, "grad_out", a["grad_out"], want)
+    _shape(op, "logsumexp", a["logsumexp"], q.shape[:3])
+
+
+def ctc_written(op: Any) -> Callable[[list[Any], dict[str, Any]], Any] | None:
+    """How ``_ctc_loss`` runs on a peer: its CPU kernel makes ``log_alpha`` with ``empty`` and writes only each
+    sample's first ``input_length`` steps and ``2 * target_length + 1`` states; the rest held whatever the
+    allocator had (freed bytes, another session's among them), and a client may read any output. The rest is
+    zeroed after the kernel (the backward reads only what it wrote)."""
+    if op._schema.name != "aten::_ctc_loss" or any(x.alias_info is not None and x.alias_info.is_write
+                                                   for x in op._schema.arguments):
+        return None  # (an out= overload writes tensors it was given)
+
+    def run(args: list[Any], kwargs: dict[str, Any]) -> Any:
+        nll, alpha = op(*args, **kwargs)
+        if alpha.dim() == 3 and alpha.numel():
+            il, tl = _lengths(args[2]), _lengths(args[3])
+            dev = alpha.device
+            t = torch.arange(alpha.size(1), device=dev)[None, :, None]
+            st = torch.arange(alpha.size(2), device=dev)[None, None, :]
+            unwritten = (t >= torch.tensor(il, device=dev)[:, None, None]) | \
+                (st >= 2 * torch.tensor(tl, device=dev)[:, None, None] + 1)
+            alpha.masked_fill_(unwritten & (t >= 1), 0)  # (step 0 is written for every state)
+        return nll, alpha
+    return run
+
+
 def _cdist_backward(a: Named) -> None:
     op, x1, x2 = "cdist backward", a["x1"], a["x2"]
     if x1.dim() < 2 or x2.dim() < 2:
@@ -402,6 +470,9 @@ def _unfold_backward(a: Named) -> None:
     want = [*sizes[:d], (length - size) // step + 1, *sizes[d + 1:], size] if n else [(1 - size) // step + 1, size]
     _shape("unfold_backward", "grad_in", g, want)
 
+_MAX_ELEMENTS = 1 << 36  # (protocol/aten.MAX_ELEMENTS: most elements a layout may describe)
+
+
 def _bincount_bytes(a: Named) -> int:
     """``bincount``'s output: ``max(self) + 1`` bins (at least ``minlength``), of 8 bytes at most."""
     x, least = a.get("self"), a.get("minlength") or 0
@@ -416,6 +487,8 @@ def _repeat_bytes(a: Named) -> int:
         r, x = x, None
     if not isinstance(r, torch.Tensor) or not r.numel() or r.is_floating_point():
         return 0
+    if r.min() < 0 or float(r.double().sum()) > _MAX_ELEMENTS:  # (an int64 sum wraps: 4 x 2^62 + 8 sums to 8,
+        _fail("repeat_interleave", "repeats must be non-negative and sum to at most 2^36")  # and the kernel trusts it)
     per, item = 1, 8
     if isinstance(x, torch.Tensor) and x.numel():
         dim = a.get("dim")
@@ -438,7 +511,9 @@ def sizer(op: Any) -> Callable[[list[Any], dict[str, Any]], int] | None:
 #: Checks that read the operands' layouts (shapes, numels) and literal arguments only, never a value: a
 #: registered graph's step of such an op is checked once when its program is lowered (its layouts are the
 #: same at every replay) and then runs unchecked on the fast path (``step_maker._layouts_pass``).
-LAYOUT_CHECKS = frozenset({"native_layer_norm_backward", "_log_softmax_backward_data", "_softmax_backward_data"})
+LAYOUT_CHECKS = frozenset({"native_layer_norm_backward", "_log_softmax_backward_data", "_softmax_backward_data",
+                           "_scaled_dot_product_flash_attention_for_cpu", "_weight_norm_interface",
+                           "_scaled_dot_product_flash_attention_for_cpu_backward", "_cholesky_solve_helper"})
 
 #: Ops whose ``unsafe=True`` (skip the kernel's own checks) may pass through: the check here covers what it skips.
 UNSAFE_CHECKED = frozenset({"segment_reduce"})
@@ -460,7 +535,10 @@ CHECKS: dict[str, Check] = {
                                 "batch_norm", "_batch_norm_impl_index", "_batch_norm_impl_index_backward",
                                 "instance_norm", "_native_batch_norm_legit_functional")},
     "native_layer_norm_backward": _layer_norm_backward,
-    "_weight_norm_interface_backward": _weight_norm_backward,
+    "_weight_norm_interface_backward": _weight_norm_backward, "_weight_norm_interface": _weight_norm,
+    "_cholesky_solve_helper": _cholesky_solve_helper,
+    "_scaled_dot_product_flash_attention_for_cpu": _flash,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": _flash_backward,
     "_cdist_backward": _cdist_backward, "_pdist_backward": _pdist_backward,
     "_log_softmax_backward_data": _grad_like("grad_output", "output", "log_softmax backward"),
     "_softmax_backward_data": _grad_like("grad_output", "output", "softmax backward"),
@@ -500,4 +578,5 @@ def bound(op: Any, check: Callable[[Named], Any] | None) -> Callable[[list[Any],
     return run
 
 
-__all__ = ["checker", "sizer", "bound", "CHECKS", "SIZED", "UNSAFE_CHECKED", "LAYOUT_CHECKS", "PositionError"]
+__all__ = ["checker", "sizer", "ctc_written", "bound", "CHECKS", "SIZED", "UNSAFE_CHECKED", "LAYOUT_CHECKS",
+           "PositionError"]
