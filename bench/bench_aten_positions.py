@@ -48,11 +48,11 @@ class Capture:
         self._kernel, self._run = peer_aten.AtenKernel, peer_aten.AtenKernel.run
         cap, run = self, self._run
 
-        def spy(kernel: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        def spy(kernel: Any, args: list[Any], kwargs: dict[str, Any], *rest: Any) -> Any:
             if len(cap.calls[kernel.name]) < cap.limit:
                 clone = lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
                 cap.calls[kernel.name].append((kernel.op, tree_map(clone, list(args)), tree_map(clone, kwargs)))
-            return run(kernel, args, kwargs)
+            return run(kernel, args, kwargs, *rest)
         self._kernel.run = spy
         return self
 

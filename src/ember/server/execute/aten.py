@@ -40,6 +40,13 @@ MEMORY_FORMATS = {n: getattr(torch, n) for n in A.MEMORY_FORMATS}
 
 
 _RESIZE = frozenset({"resize_", "resize_as_"})
+
+
+def _value_costed(base: str) -> bool:
+    """Elementwise ops whose work per element grows with a value (a polynomial's degree ``n``: laguerre with
+    n = 2e9 kept the network loop for seconds, every session's round trips with it; ``mvlgamma``'s ``p``):
+    never run on the network loop or a caller's thread."""
+    return "polynomial" in base or base.startswith(("mvlgamma", "polygamma"))
 _SLACK = 1 << 16  # bytes a call's outputs may exceed its declared ones by, under its meta kernel (check_declared):
 #                   (kernels that disagree on an auxiliary output's size, as _LENIENT's do, are not refused)
 _LENIENT = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_embedding_bag",
@@ -178,9 +185,9 @@ class AtenKernel:
         #: elementwise or a reduction (work linear in its operands), no random stream, no resize: on small
         #: operands, cheap enough for the network loop (``x.sum().item()``, an accuracy's ``(p == y).sum()``)
         self.loop_ok = (torch.Tag.pointwise in op.tags or torch.Tag.reduction in op.tags) and not self.seeded \
-            and not self.resize
+            and not self.resize and not _value_costed(name.split(".")[1])
         #: no resize, no RNN layer (a loop over time): on small operands, bounded enough for a caller's own thread
-        self.bounded = not self.resize and self.special is None
+        self.bounded = not self.resize and self.special is None and not _value_costed(name.split(".")[1])
         self.foreach = name.split(".")[1].startswith("_foreach_")
         #: elementwise (a TensorIterator kernel): its outputs are its operands' broadcast (:meth:`check_outputs`)
         self.pointwise = torch.Tag.pointwise in op.tags and not self.foreach
@@ -220,9 +227,9 @@ class AtenKernel:
         dev = self.device
         tensors = [operand(b, lay, dev) for b, lay in zip(bufs, l)]
         self.check_outputs(l, o)
-        self.check_declared(a, tensors, scalars, o)
+        sized = self.check_declared(a, tensors, scalars, o)
         args, kwargs, before = self._bind(a, tensors, scalars)
-        res = self.run(args, kwargs)
+        res = self.run(args, kwargs, sized)
         dynamic = o is None  # data-dependent: the outputs (a written one cloned) are taken before zeroing
         stored = self._results(res, o, tensors) if dynamic else None
         if before:  # (the written operands' storages and layouts: only asked for when there are some)
@@ -244,20 +251,23 @@ class AtenKernel:
                     raise ValueError(f"{self.name}: an output of {spec[1]} declared where its operands broadcast to "
                                      f"{want} elements")
 
-    def check_declared(self, a: list[Any], tensors: list[Any], scalars: list[Any], specs: Any) -> None:
+    def check_declared(self, a: list[Any], tensors: list[Any], scalars: list[Any], specs: Any) -> int:
         """A call makes no more fresh output than the client declared, and grows no operand it writes: memory is
         charged by declared outputs before a call runs, and ``zeros([2**32])`` declared as one float allocated
         16 GiB before its result was found to differ (a factory's size, ``repeat``'s counts, an outer product:
         outputs larger than the operands), as ``mm.out`` into a one-element ``out`` grew it to the product (a
         client's ``out`` is sized first: an ``out=`` call it sends grows nothing). The overload's meta kernel tells,
         on meta copies of the operands, once per call shape (per scalar values too, for ``arange``-like ops). A
-        call its meta kernel cannot size (none, or a data-dependent size) runs, its result checked after it ran."""
-        if not (specs or self.writes_any) or type(specs) is not list or self.special is not None or self.resize:
-            return
+        call its meta kernel cannot size (none, or a data-dependent size) runs, its result checked after it ran.
+        A call that declares no outputs (``o: []``) declares nothing fresh; one the client calls data-dependent
+        (``o: None``) but the meta kernel sizes: those bytes, to charge while it runs (the return value)."""
+        if self.resize or specs is not None and type(specs) is not list or \
+                specs is None and not self.op._schema.returns:
+            return 0
         key = packb((a, [(t.shape, t.stride(), str(t.dtype)) for t in tensors], specs,
                      scalars if self.value_shaped else None))
         if key in self.declared_ok:
-            return
+            return 0
         metas = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in tensors]
         try:
             args, kwargs, written = self._bind(a, metas, scalars)
@@ -270,10 +280,12 @@ class AtenKernel:
                         args[j] = v
             res = self.op(*args, **kwargs)
         except Exception:  # noqa: BLE001 - no meta kernel, or a size only the values tell: checked after it runs
-            return
+            return 0
         inputs = {m.untyped_storage()._cdata for m in metas}
         made = sum(r.untyped_storage().nbytes() for r in (res if isinstance(res, (tuple, list)) else [res])
                    if isinstance(r, torch.Tensor) and r.untyped_storage()._cdata not in inputs)
+        if specs is None:  # (data-dependent by the client's word: what the meta kernel sizes is charged while it runs)
+            return made if made > _SLACK else 0
         declared = sum(s[5] for s in specs if type(s) is list and len(s) == 6 and type(s[5]) is int and s[5] > 0)
         if made > declared + _SLACK and self.name.split(".")[1] not in _LENIENT:  # (_LENIENT: meta and CPU
             raise ValueError(f"{self.name}: the call makes {made} bytes of outputs where the client declared "
@@ -286,24 +298,38 @@ class AtenKernel:
         if len(self.declared_ok) >= 256:
             self.declared_ok.clear()
         self.declared_ok.add(key)
+        return 0
 
-    def run(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    def run(self, args: list[Any], kwargs: dict[str, Any], sized: int = 0) -> Any:
         """The kernel itself (on the session's random stream when it draws), after the position check of
         an op whose kernel trusts operand values as memory positions (:mod:`.positions`)."""
         if self.check is not None:
             self.check(args, kwargs)
         if THREADS[0] is not None:
             _follow_threads()
-        need = self.sized(args, kwargs) if self.sized is not None and self.memory is not None else 0
-        if need:
+        need = sized + (self.sized(args, kwargs) if self.sized is not None else 0) + self._growth(args, kwargs)
+        if need and self.memory is not None:
             self.memory.charge(need, lambda: f"{self.name}'s output, sized by its operands' values")
         try:
             if self.special is not None:
                 return self.special(args, kwargs)
             return self.draw(args, kwargs) if self.draw is not None else self.op(*args, **kwargs)
         finally:
-            if need:
+            if need and self.memory is not None:
                 self.memory.release(need)
+
+    def _growth(self, args: list[Any], kwargs: dict[str, Any]) -> int:
+        """Bytes ``resize_`` grows its tensor by (charged while it runs; what it holds after is charged then)."""
+        if not self.resize or not args or not isinstance(args[0], torch.Tensor):
+            return 0
+        t, size = args[0], args[1] if len(args) > 1 else None
+        if isinstance(size, torch.Tensor):  # (resize_as_: the other tensor's size)
+            size = size.shape
+        try:
+            want = math.prod(int(n) for n in size) * t.element_size()
+        except (TypeError, ValueError):
+            return 0
+        return max(0, want - t.untyped_storage().nbytes())
 
     def follow_and_call(self, call: Callable[[list[Any], list[Any]], Any], tensors: list[Any], S: list[Any]) -> Any:
         """A bound call (:mod:`.eager`) with this process's peer thread count, as :meth:`run` makes it."""

@@ -18,7 +18,7 @@ import numpy as np
 from ...errors import LimitExceeded
 from ...protocol import ops
 from .replay import Poison, call_text, describe_layouts, limit_poison, written_of
-from .sizes import THRESHOLD, declared_outputs, inside_broadcast, predict
+from .sizes import THRESHOLD, declared_outputs, expanded, inside_broadcast, predict
 
 _ELEMENTWISE = ops.ELEMENTWISE
 _FOREIGN = "OUSVMm"  # NumPy kinds no device announces (objects, strings, voids, dates): never stored
@@ -64,11 +64,12 @@ class Holdings:
 
     def _reserve_unpredicted(self, name: str, vals: list[Any], kwargs: Any) -> int:
         """Charge, before it runs, an op :mod:`sizes` does not predict: an ATen call's declared
-        outputs (the storages the peer fills in) and what a kernel that broadcasts inside holds while it runs
-        (``sizes.inside_broadcast``); an op over a view much larger than its buffer (a
+        outputs (the storages the peer fills in), what a kernel that broadcasts inside holds while it runs
+        (``sizes.inside_broadcast``) and what its operands describe beyond their storages (``sizes.expanded``);
+        an op over a view much larger than its buffer (a
         broadcast), whose outputs and temporaries may be as large as the view."""
         if self._aten:
-            need = declared_outputs(kwargs) + inside_broadcast(name, kwargs) if kwargs else 0
+            need = declared_outputs(kwargs) + inside_broadcast(name, kwargs) + expanded(kwargs, vals) if kwargs else 0
             if need:
                 self.mem.charge(need, lambda: describe_layouts(kwargs) or name)
             return need

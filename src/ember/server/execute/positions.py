@@ -18,6 +18,7 @@ no positions from values). The checks cost one min/max (or sum) over the checked
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -500,7 +501,20 @@ def _repeat_bytes(a: Named) -> int:
 #: Ops whose outputs' sizes come from operand *values*, not shapes: the bytes they allocate (an upper bound), charged
 #: to the session before the kernel runs (a crafted ``bincount`` of one int64 holding 2^31 made the peer allocate
 #: 16 GiB, whatever the session's budget; data-dependent results are charged once they exist).
-SIZED: dict[str, Callable[[Named], int]] = {"bincount": _bincount_bytes, "repeat_interleave": _repeat_bytes}
+def _histogram_bytes(a: Named) -> int:
+    """``histogram(bins=n)``: n counts and n + 1 edges; the dd kernels: the product of the bins, and their edges
+    (no meta kernel sizes these; the bins are literals)."""
+    bins = a.get("bins")
+    if isinstance(bins, int):
+        return (2 * bins + 1) * 8
+    if isinstance(bins, (list, tuple)) and all(isinstance(n, int) for n in bins):
+        return (math.prod(max(n, 0) for n in bins) + sum(bins) + len(bins)) * 8
+    return 0
+
+
+SIZED: dict[str, Callable[[Named], int]] = {"bincount": _bincount_bytes, "repeat_interleave": _repeat_bytes,
+                                            "histogram": _histogram_bytes, "_histogramdd_from_bin_cts": _histogram_bytes,
+                                            "_histogramdd_bin_edges": _histogram_bytes}
 
 
 def sizer(op: Any) -> Callable[[list[Any], dict[str, Any]], int] | None:

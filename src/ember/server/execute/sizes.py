@@ -328,6 +328,21 @@ def inside_broadcast(name: str, kwargs: Any) -> int:
     return need if need >= THRESHOLD else 0
 
 
+def expanded(kwargs: Any, vals: list[Any]) -> int:
+    """Bytes an ATen call's operands describe beyond the storages they view (a stride-0 layout of 2^28 floats over
+    4 bytes): kernels that copy or sort an operand, or take a temporary of its size (``median``, ``mm``, ``unique``,
+    ``count_nonzero``...), hold what it describes. Charged while the call runs (0 under :data:`THRESHOLD`)."""
+    try:
+        extra = 0
+        for lay, buf in zip(kwargs["l"], vals):
+            n = _prod(lay[0]) * ITEMSIZE.get(lay[3], 16) - getattr(buf, "nbytes", 0)
+            if n > 0:
+                extra += n
+    except Exception:  # noqa: BLE001 - malformed layouts: the kernel's own checks refuse the call
+        return 0
+    return extra if extra >= THRESHOLD else 0
+
+
 PREDICTORS: dict[str, Callable[..., int]] = {name: _elementwise_for(name) for name in ops.ELEMENTWISE}
 PREDICTORS.update({
     "where": _elementwise_for("where"),
@@ -397,5 +412,5 @@ def predict(name: str, vals: Sequence[Any], kwargs: dict[str, Any] | None, xp: A
     return n if n >= THRESHOLD else 0
 
 
-__all__ = ["predict", "upload_fault", "custom_outputs", "declared_outputs", "inside_broadcast", "BROADCAST_INSIDE",
-           "PREDICTORS", "PREDICTED", "THRESHOLD", "ITEMSIZE"]
+__all__ = ["predict", "upload_fault", "custom_outputs", "declared_outputs", "inside_broadcast", "expanded",
+           "BROADCAST_INSIDE", "PREDICTORS", "PREDICTED", "THRESHOLD", "ITEMSIZE"]
