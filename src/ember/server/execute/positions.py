@@ -512,9 +512,9 @@ def _histogram_bytes(a: Named) -> int:
     return 0
 
 
-SIZED: dict[str, Callable[[Named], int]] = {"bincount": _bincount_bytes, "repeat_interleave": _repeat_bytes,
-                                            "histogram": _histogram_bytes, "_histogramdd_from_bin_cts": _histogram_bytes,
-                                            "_histogramdd_bin_edges": _histogram_bytes}
+SIZED: dict[str, Callable[[Named], int]] = {
+    "bincount": _bincount_bytes, "repeat_interleave": _repeat_bytes, "histogram": _histogram_bytes,
+    "_histogramdd_from_bin_cts": _histogram_bytes, "_histogramdd_bin_edges": _histogram_bytes}
 
 
 def sizer(op: Any) -> Callable[[list[Any], dict[str, Any]], int] | None:
