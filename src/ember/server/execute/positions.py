@@ -522,7 +522,7 @@ def sizer(op: Any) -> Callable[[list[Any], dict[str, Any]], int] | None:
     return bound(op, SIZED.get(op._schema.name.split("::")[-1]))
 
 
-#: Checks that read the operands' layouts (shapes, numels) and literal arguments only, never a value: a
+#: Checks that read the operands' layouts (shapes, numels) and literal arguments only, never a value nor a scalar: a
 #: registered graph's step of such an op is checked once when its program is lowered (its layouts are the
 #: same at every replay) and then runs unchecked on the fast path (``step_maker._layouts_pass``).
 LAYOUT_CHECKS = frozenset({"native_layer_norm_backward", "_log_softmax_backward_data", "_softmax_backward_data",

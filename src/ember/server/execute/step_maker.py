@@ -71,16 +71,16 @@ def _maker(plan: list[Any], kwplan: dict[str, Any], op: Any, draw: Any, baked: l
 
 def _layouts_pass(fn: Any, a: list[Any], lays: list[Any], aten: Any, torch: Any) -> bool:
     """May a step of checked op ``fn`` run as a fast step (unchecked at replay)? Only when its check reads
-    the operands' layouts alone (``positions.LAYOUT_CHECKS``: every replay binds the same layouts), the
-    template has no scalar a replay could override, and the check passes here, once, on meta tensors in
+    the operands' layouts and literals alone (``positions.LAYOUT_CHECKS``: every replay binds the same layouts,
+    and a scalar a replay overrides is no input to it), and the check passes here, once, on meta tensors in
     those layouts."""
-    if fn.name.split(".")[1] not in aten.positions.LAYOUT_CHECKS or _scalar_count(fn, a, aten.A):
+    if fn.name.split(".")[1] not in aten.positions.LAYOUT_CHECKS:
         return False
     try:
         meta = torch.device("meta")
         metas = [aten.operand(torch.empty(aten.A.layout_extent(lay, aten.ITEMSIZE), dtype=torch.uint8, device=meta),
                               lay, meta) for lay in lays]  # (each layout over a storage that just holds it)
-        args, kwargs, _ = fn._bind(a, metas, [])
+        args, kwargs, _ = fn._bind(a, metas, [0.0] * _scalar_count(fn, a, aten.A))  # (markers: never read)
         fn.check(args, kwargs)
     except Exception:  # noqa: BLE001 - refused (or malformed): the generic step runs the check and says why
         return False
