@@ -65,6 +65,14 @@ def attack(srv: Server, allocs: list[int], name: str, a: list, layouts: list, sp
     return err
 
 
+def leave_a_secret(srv: Server, n: int) -> None:
+    """A victim session that leaves ``n`` x ``SECRET!!`` in memory the peer freed when it closed."""
+    victim = ember.connect(srv.addresses[0])
+    secret = xp.asarray(np.frombuffer(b"SECRET!!" * n, dtype=np.uint8).copy(), device=victim)
+    (secret + 0).to_numpy()
+    victim.close()
+
+
 CRASHERS = {  # (storages, overload, template, layouts, output specs): each one message killed the peer
     "_cummax_helper": ([400000, 0, 0], "aten._cummax_helper.default", [0, 0, 0, 0],
                        [contig([100000], "float32"), [[0], [1], 0, "float32"], [[0], [1], 0, "int64"]], []),
@@ -112,10 +120,7 @@ def test_internal_kernels_that_trust_their_arguments_are_refused_or_checked(peer
 def test_a_shrunken_result_s_storage_holds_nothing_else(peer: Server) -> None:
     """``unique_consecutive`` shrinks its output in place: the peer stored the whole allocation, and reading it gave
     uninitialised heap, another session's freed bytes among them. Now the storage is the result's 8 bytes."""
-    victim = ember.connect(peer.addresses[0])
-    secret = xp.asarray(np.frombuffer(b"SECRET!!" * 4096, dtype=np.uint8).copy(), device=victim)
-    (secret + 0).to_numpy()
-    victim.close()
+    leave_a_secret(peer, 4096)
     d = ember.connect(peer.addresses[0])
     s = d.session
     n = 4096
@@ -268,10 +273,7 @@ def test_more_trusting_kernels_found_by_fuzzing_the_allowlisted_peer(peer: Serve
     nothing and wrote four ranges; the peer died); CPU flash attention's backward with a one-element logsumexp (it
     read 16 KiB past it and sent back gradients made of those bytes); CTC's log_alpha, partly written by its kernel
     (the rest was freed heap: another session's bytes came back). The first two are refused, the third zeroed."""
-    victim = ember.connect(peer.addresses[0])
-    secret = xp.asarray(np.frombuffer(b"SECRET!!" * 2048, dtype=np.uint8).copy(), device=victim)
-    (secret + 0).to_numpy()
-    victim.close()
+    leave_a_secret(peer, 2048)
     d = ember.connect(peer.addresses[0])
     s = d.session
     rep = _filled(s, 4, 1 << 62, "int64")
