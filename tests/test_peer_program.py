@@ -352,3 +352,22 @@ def test_a_step_whose_check_reads_operand_values_checks_them_at_every_replay() -
     assert results[0] == results[1]
     assert results[0][0] == results[0][3] == [4.0, 6.0, 0.0, 0.0, 0.0, 0.0, 2.0, 3.0]
     assert "indices" in results[0][2] and "[1, 4]" in results[0][2]
+
+
+def test_a_step_over_a_stride_0_view_is_charged_for_what_it_describes() -> None:
+    """``median`` of a stride-0 view of 2^26 floats over 4 bytes holds the whole view while it runs (it copies it):
+    sent alone it is charged for that (``sizes.expanded``); as a graph's fast step it was not. Such a step is a
+    generic step, charged the same: over a 32 MiB budget, it is refused and its output poisoned."""
+    f = "float32"
+    kw = {"a": [0], "l": [[[1 << 26], [0], 0, f]], "o": [[0, [], [], 0, f, 4]]}
+    graph = [m.GRAPH, 11, 1, [[]], [["aten.median.default", [1, 0], 1, kw]], [2], []]
+    it = interpreter(32 << 20)
+    it.put(1, storage([2.0]), "upload")
+    it.run_batch([graph, [m.REPLAY, 11, [1], [20], []]])
+    prog = it.graphs.peek(11).program
+    assert prog is False or prog.fast[0] is None  # (no fast step: the graph replays generically)
+    assert 20 not in it.tensors and "budget" in it.poison[20].error["message"]
+    kw_small = {"a": [0], "l": [[[8], [0], 0, f]], "o": [[0, [], [], 0, f, 4]]}
+    it.run_batch([[m.GRAPH, 12, 1, [[]], [["aten.median.default", [1, 0], 1, kw_small]], [2], []],
+                  [m.REPLAY, 12, [1], [21], []]])
+    assert it.tensors[21].view(torch.float32).tolist() == [2.0]

@@ -41,6 +41,7 @@ fresh pages to fault in, per replay (glibc maps such buffers afresh each time: i
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, Callable
 
@@ -48,6 +49,9 @@ from .step_maker import _MISS, _layouts_pass, _maker, _scalar_count, _slot
 
 #: Results of at least this many bytes that never leave a replay get a buffer kept across replays.
 POOL_MIN = 1 << 20
+#: A step whose layouts describe this many bytes beyond what they reach (stride-0 views) is a generic step, which
+#: charges them while it runs (``sizes.expanded``: kernels that copy or sort an operand hold all of it).
+_EXPANDED = 1 << 20
 TYPED = "_ember_result"  # the attribute of a storage value that holds the typed result it spans (span)
 
 
@@ -150,10 +154,12 @@ class Program:
         sreg = regs[0]
         if not n_in <= sreg < first_out or any(n_in <= r < first_out for r in regs[1:]):
             return None
+        beyond = 0  # what the layouts describe beyond the bytes they reach (a stride-0 view)
         for lay in lays:
-            aten.A.layout_extent(lay, aten.ITEMSIZE)  # raises: generic
-        if fn.value_shaped:
-            return None  # (its outputs' sizes come from its scalars: the generic kernel checks them at each call)
+            reach = aten.A.layout_extent(lay, aten.ITEMSIZE)  # raises: generic
+            beyond += math.prod(lay[0]) * aten.ITEMSIZE[lay[3]] - reach
+        if fn.value_shaped or beyond >= _EXPANDED:
+            return None  # (arange-like: its outputs' sizes come from its scalars; checked by the generic kernel)
         n_scal = _scalar_count(fn, a, aten.A)
         consts = g.scalars[sreg - n_in]
         metas = [torch.empty_strided(lay[0], lay[1], dtype=aten.DTYPES[lay[3]], device="meta") for lay in lays]
