@@ -272,7 +272,8 @@ def _weight_norm_meta(v: Any, g: Any, dim: int = 0) -> Any:
 def _embedding_bag_meta(name: str) -> Any:
     """``_embedding_bag``'s outputs, its ``offset2bag`` empty in ``sum`` mode without a ``padding_idx``, as the CPU
     kernel's fast path leaves it (the backward rebuilds it from the offsets). The meta kernel sizes it one per
-    index, and the peer stored zeros there (``aten._LENIENT``): every index in bag 0, wrong gradients."""
+    index, and the peer stored zeros there (``server/execute/declared.LENIENT``): every index in bag 0, wrong
+    gradients."""
     op = getattr(torch.ops.aten, name.split(".")[1]).default
 
     def meta(*args: Any) -> Any:

@@ -26,8 +26,7 @@ from typing import Any, Callable
 import torch
 
 from ...protocol import aten as A
-from ...protocol.codec import packb
-from . import device_gaps, internal_calls, positions, rnn_cells, rnn_layer, rnn_recompute, sparse_mm
+from . import declared, device_gaps, internal_calls, positions, rnn_cells, rnn_layer, rnn_recompute, sparse_mm
 from .backends import UnknownOp
 from .eager import GENERIC, plan_for
 from .session_random import SessionRandom
@@ -40,20 +39,6 @@ MEMORY_FORMATS = {n: getattr(torch, n) for n in A.MEMORY_FORMATS}
 
 
 _RESIZE = frozenset({"resize_", "resize_as_"})
-
-
-def _value_costed(base: str) -> bool:
-    """Elementwise ops whose work per element grows with a value (a polynomial's degree ``n``: laguerre with
-    n = 2e9 kept the network loop for seconds, every session's round trips with it; ``mvlgamma``'s ``p``):
-    never run on the network loop or a caller's thread."""
-    return "polynomial" in base or base.startswith(("mvlgamma", "polygamma"))
-_SLACK = 1 << 16  # bytes a call's outputs may exceed its declared ones by, under its meta kernel (check_declared):
-#                   (kernels that disagree on an auxiliary output's size, as _LENIENT's do, are not refused)
-_LENIENT = frozenset({"native_batch_norm", "_native_batch_norm_legit", "_embedding_bag",
-                      "_embedding_bag_forward_only"})
-"""Ops whose CPU kernel and meta kernel disagree on the size of an auxiliary output, one of them
-empty (batch norm's saved statistics in eval mode, embedding bag's unused max indices): the peer
-stores zeros in the client's layout, so the client's picture stays true."""
 rnn_cells.install("CPU")  # nn.LSTM / nn.GRU on an ember tensor take torch's fused cells: CUDA-only kernels
 
 
@@ -157,6 +142,7 @@ class AtenKernel:
     def __init__(self, name: str, op: Any, device: torch.device, rng: SessionRandom,
                  plans: dict[bytes, Any] | None = None, memory: Any = None) -> None:
         self.name, self.op, self.device, self.rng = name, op, device, rng
+        self.base = base = name.split(".")[1]
         args = op._schema.arguments
         self.args = [(a.name, A.category(str(a.real_type)), str(a.real_type), a.kwarg_only) for a in args]
         marked = [bool(a.alias_info is not None and a.alias_info.is_write) for a in args]
@@ -167,28 +153,29 @@ class AtenKernel:
         self.writes_any = any(self.writes)
         self.seeded = torch.Tag.nondeterministic_seeded in op.tags and not any(c == A.GENERATOR
                                                                                 for _, c, _, _ in self.args)
-        self.resize = name.split(".")[1] in _RESIZE
+        self.resize = base in _RESIZE
         self.draw = rng.runner(op) if self.seeded else None
         #: operands whose values or sizes the CPU kernel trusts as memory positions: checked before it runs
         self.check = positions.checker(op) or rnn_layer.checker(op)
         #: how the kernel runs when not as ``op(*args, **kwargs)`` (the LSTM layer: in a grad mode, rnn_layer.py;
         #: a call CUDA takes and this CPU kernel refuses: device_gaps.py; CTC's partly written log_alpha: positions.py)
         self.special = rnn_layer.runner(op) or device_gaps.runner(op) or positions.ctc_written(op)
-        self.unsafe_ok = self.check is not None and name.split(".")[1] in positions.UNSAFE_CHECKED
+        self.unsafe_ok = self.check is not None and base in positions.UNSAFE_CHECKED
         #: the bytes an op whose output is sized by operand values allocates (``positions.SIZED``), and the session's
         #: memory it is charged to while the kernel runs
         self.sized, self.memory = positions.sizer(op), memory
         #: call shapes whose declared outputs hold what the call makes (:meth:`check_declared`); an output shaped by
         #: scalar values (``arange``'s end) is checked for each
         self.declared_ok: set[bytes] = set()
-        self.value_shaped = name.split(".")[1] in ("arange", "range", "linspace", "logspace")
+        self.value_shaped = base in declared.VALUE_SHAPED
+        costed = declared.value_costed(base)  # (work per element grows with a value: never inline)
         #: elementwise or a reduction (work linear in its operands), no random stream, no resize: on small
         #: operands, cheap enough for the network loop (``x.sum().item()``, an accuracy's ``(p == y).sum()``)
         self.loop_ok = (torch.Tag.pointwise in op.tags or torch.Tag.reduction in op.tags) and not self.seeded \
-            and not self.resize and not _value_costed(name.split(".")[1])
+            and not self.resize and not costed
         #: no resize, no RNN layer (a loop over time): on small operands, bounded enough for a caller's own thread
-        self.bounded = not self.resize and self.special is None and not _value_costed(name.split(".")[1])
-        self.foreach = name.split(".")[1].startswith("_foreach_")
+        self.bounded = not self.resize and self.special is None and not costed
+        self.foreach = base.startswith("_foreach_")
         #: elementwise (a TensorIterator kernel): its outputs are its operands' broadcast (:meth:`check_outputs`)
         self.pointwise = torch.Tag.pointwise in op.tags and not self.foreach
         #: the session's call shapes bound once (:mod:`.eager`), for an overload that writes no operand and
@@ -251,54 +238,9 @@ class AtenKernel:
                     raise ValueError(f"{self.name}: an output of {spec[1]} declared where its operands broadcast to "
                                      f"{want} elements")
 
-    def check_declared(self, a: list[Any], tensors: list[Any], scalars: list[Any], specs: Any) -> int:
-        """A call makes no more fresh output than the client declared, and grows no operand it writes: memory is
-        charged by declared outputs before a call runs, and ``zeros([2**32])`` declared as one float allocated
-        16 GiB before its result was found to differ (a factory's size, ``repeat``'s counts, an outer product:
-        outputs larger than the operands), as ``mm.out`` into a one-element ``out`` grew it to the product (a
-        client's ``out`` is sized first: an ``out=`` call it sends grows nothing). The overload's meta kernel tells,
-        on meta copies of the operands, once per call shape (per scalar values too, for ``arange``-like ops). A
-        call its meta kernel cannot size (none, or a data-dependent size) runs, its result checked after it ran.
-        A call that declares no outputs (``o: []``) declares nothing fresh; one the client calls data-dependent
-        (``o: None``) but the meta kernel sizes: those bytes, to charge while it runs (the return value)."""
-        if self.resize or specs is not None and type(specs) is not list or \
-                specs is None and not self.op._schema.returns:
-            return 0
-        key = packb((a, [(t.shape, t.stride(), str(t.dtype)) for t in tensors], specs,
-                     scalars if self.value_shaped else None))
-        if key in self.declared_ok:
-            return 0
-        metas = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in tensors]
-        try:
-            args, kwargs, written = self._bind(a, metas, scalars)
-            for j, (name, cat, _r, kwonly) in enumerate(self.args):
-                if cat == A.DEVICE or cat == A.GENERATOR:
-                    v = torch.device("meta") if cat == A.DEVICE else None
-                    if kwonly:
-                        kwargs[name] = v
-                    elif j < len(args):
-                        args[j] = v
-            res = self.op(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - no meta kernel, or a size only the values tell: checked after it runs
-            return 0
-        inputs = {m.untyped_storage()._cdata for m in metas}
-        made = sum(r.untyped_storage().nbytes() for r in (res if isinstance(res, (tuple, list)) else [res])
-                   if isinstance(r, torch.Tensor) and r.untyped_storage()._cdata not in inputs)
-        if specs is None:  # (data-dependent by the client's word: what the meta kernel sizes is charged while it runs)
-            return made if made > _SLACK else 0
-        declared = sum(s[5] for s in specs if type(s) is list and len(s) == 6 and type(s[5]) is int and s[5] > 0)
-        if made > declared + _SLACK and self.name.split(".")[1] not in _LENIENT:  # (_LENIENT: meta and CPU
-            raise ValueError(f"{self.name}: the call makes {made} bytes of outputs where the client declared "
-                             f"{declared} (memory is charged by the declared outputs before a call runs)")
-        real = {id(m): t for m, t in zip(metas, tensors)}
-        for m, _n in written:
-            if m.untyped_storage().nbytes() > real[id(m)].untyped_storage().nbytes():
-                raise ValueError(f"{self.name}: the call would grow a written operand to {tuple(m.shape)} (a "
-                                 "client sizes what it writes first)")
-        if len(self.declared_ok) >= 256:
-            self.declared_ok.clear()
-        self.declared_ok.add(key)
-        return 0
+    #: what a call makes and how far it grows what it writes, sized before it runs (:mod:`.declared`)
+    check_declared = declared.check_declared
+    growth = declared.growth
 
     def run(self, args: list[Any], kwargs: dict[str, Any], sized: int = 0) -> Any:
         """The kernel itself (on the session's random stream when it draws), after the position check of
@@ -307,7 +249,7 @@ class AtenKernel:
             self.check(args, kwargs)
         if THREADS[0] is not None:
             _follow_threads()
-        need = sized + (self.sized(args, kwargs) if self.sized is not None else 0) + self._growth(args, kwargs)
+        need = sized + (self.sized(args, kwargs) if self.sized is not None else 0) + self.growth(args)
         if need and self.memory is not None:
             self.memory.charge(need, lambda: f"{self.name}'s output, sized by its operands' values")
         try:
@@ -317,19 +259,6 @@ class AtenKernel:
         finally:
             if need and self.memory is not None:
                 self.memory.release(need)
-
-    def _growth(self, args: list[Any], kwargs: dict[str, Any]) -> int:
-        """Bytes ``resize_`` grows its tensor by (charged while it runs; what it holds after is charged then)."""
-        if not self.resize or not args or not isinstance(args[0], torch.Tensor):
-            return 0
-        t, size = args[0], args[1] if len(args) > 1 else None
-        if isinstance(size, torch.Tensor):  # (resize_as_: the other tensor's size)
-            size = size.shape
-        try:
-            want = math.prod(int(n) for n in size) * t.element_size()
-        except (TypeError, ValueError):
-            return 0
-        return max(0, want - t.untyped_storage().nbytes())
 
     def follow_and_call(self, call: Callable[[list[Any], list[Any]], Any], tensors: list[Any], S: list[Any]) -> Any:
         """A bound call (:mod:`.eager`) with this process's peer thread count, as :meth:`run` makes it."""
@@ -515,7 +444,7 @@ class AtenKernel:
             raise ValueError(f"output spec of {self.name}: {nbytes!r} bytes cannot hold layout {layout}")
         if not isinstance(r, torch.Tensor):
             r = torch.tensor(r, device=self.device)
-        if list(r.shape) != size and (r.numel() == 0 or 0 in size) and self.name.split(".")[1] in _LENIENT:
+        if list(r.shape) != size and (r.numel() == 0 or 0 in size) and self.base in declared.LENIENT:
             r = torch.zeros(size, dtype=DTYPES[dtype], device=self.device)
         if list(r.shape) != size or r.dtype is not DTYPES[dtype]:
             raise RuntimeError(f"{self.name} returned {tuple(r.shape)} {r.dtype} on the peer where the client "

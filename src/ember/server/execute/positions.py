@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import torch
 
+from ...protocol.aten import MAX_ELEMENTS
+
 Named = dict[str, Any]
 Check = Callable[[Named], None]
 
@@ -471,9 +473,6 @@ def _unfold_backward(a: Named) -> None:
     want = [*sizes[:d], (length - size) // step + 1, *sizes[d + 1:], size] if n else [(1 - size) // step + 1, size]
     _shape("unfold_backward", "grad_in", g, want)
 
-_MAX_ELEMENTS = 1 << 36  # (protocol/aten.MAX_ELEMENTS: most elements a layout may describe)
-
-
 def _bincount_bytes(a: Named) -> int:
     """``bincount``'s output: ``max(self) + 1`` bins (at least ``minlength``), of 8 bytes at most."""
     x, least = a.get("self"), a.get("minlength") or 0
@@ -488,7 +487,7 @@ def _repeat_bytes(a: Named) -> int:
         r, x = x, None
     if not isinstance(r, torch.Tensor) or not r.numel() or r.is_floating_point():
         return 0
-    if r.min() < 0 or float(r.double().sum()) > _MAX_ELEMENTS:  # (an int64 sum wraps: 4 x 2^62 + 8 sums to 8,
+    if r.min() < 0 or float(r.double().sum()) > MAX_ELEMENTS:  # (an int64 sum wraps: 4 x 2^62 + 8 sums to 8,
         _fail("repeat_interleave", "repeats must be non-negative and sum to at most 2^36")  # and the kernel trusts it)
     per, item = 1, 8
     if isinstance(x, torch.Tensor) and x.numel():
@@ -498,9 +497,6 @@ def _repeat_bytes(a: Named) -> int:
     return max(int(r.sum()), 0) * per * item
 
 
-#: Ops whose outputs' sizes come from operand *values*, not shapes: the bytes they allocate (an upper bound), charged
-#: to the session before the kernel runs (a crafted ``bincount`` of one int64 holding 2^31 made the peer allocate
-#: 16 GiB, whatever the session's budget; data-dependent results are charged once they exist).
 def _histogram_bytes(a: Named) -> int:
     """``histogram(bins=n)``: n counts and n + 1 edges; the dd kernels: the product of the bins, and their edges
     (no meta kernel sizes these; the bins are literals)."""
@@ -512,6 +508,10 @@ def _histogram_bytes(a: Named) -> int:
     return 0
 
 
+#: Ops whose outputs' sizes come from operand *values* (or literals no meta kernel reads), not shapes: the bytes they
+#: allocate (an upper bound), charged to the session before the kernel runs (a crafted ``bincount`` of one int64
+#: holding 2^31 made the peer allocate 16 GiB, whatever the session's budget; data-dependent results are charged
+#: once they exist).
 SIZED: dict[str, Callable[[Named], int]] = {
     "bincount": _bincount_bytes, "repeat_interleave": _repeat_bytes, "histogram": _histogram_bytes,
     "_histogramdd_from_bin_cts": _histogram_bytes, "_histogramdd_bin_edges": _histogram_bytes}

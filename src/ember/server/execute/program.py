@@ -45,13 +45,11 @@ import math
 import sys
 from typing import Any, Callable
 
+from .sizes import THRESHOLD
 from .step_maker import _MISS, _layouts_pass, _maker, _scalar_count, _slot
 
 #: Results of at least this many bytes that never leave a replay get a buffer kept across replays.
 POOL_MIN = 1 << 20
-#: A step whose layouts describe this many bytes beyond what they reach (stride-0 views) is a generic step, which
-#: charges them while it runs (``sizes.expanded``: kernels that copy or sort an operand hold all of it).
-_EXPANDED = 1 << 20
 TYPED = "_ember_result"  # the attribute of a storage value that holds the typed result it spans (span)
 
 
@@ -154,11 +152,12 @@ class Program:
         sreg = regs[0]
         if not n_in <= sreg < first_out or any(n_in <= r < first_out for r in regs[1:]):
             return None
-        beyond = 0  # what the layouts describe beyond the bytes they reach (a stride-0 view)
+        beyond = 0  # what the layouts describe beyond the bytes they reach (a stride-0 view): from THRESHOLD on, a
+        #             generic step, which charges it while it runs (sizes.expanded, as for a call sent alone)
         for lay in lays:
             reach = aten.A.layout_extent(lay, aten.ITEMSIZE)  # raises: generic
             beyond += math.prod(lay[0]) * aten.ITEMSIZE[lay[3]] - reach
-        if fn.value_shaped or beyond >= _EXPANDED:
+        if fn.value_shaped or beyond >= THRESHOLD:
             return None  # (arange-like: its outputs' sizes come from its scalars; checked by the generic kernel)
         n_scal = _scalar_count(fn, a, aten.A)
         consts = g.scalars[sreg - n_in]

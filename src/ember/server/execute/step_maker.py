@@ -74,7 +74,7 @@ def _layouts_pass(fn: Any, a: list[Any], lays: list[Any], aten: Any, torch: Any)
     the operands' layouts and literals alone (``positions.LAYOUT_CHECKS``: every replay binds the same layouts,
     and a scalar a replay overrides is no input to it), and the check passes here, once, on meta tensors in
     those layouts."""
-    if fn.name.split(".")[1] not in aten.positions.LAYOUT_CHECKS:
+    if fn.base not in aten.positions.LAYOUT_CHECKS:
         return False
     try:
         meta = torch.device("meta")
